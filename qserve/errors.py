@@ -1,0 +1,13 @@
+"""Errors a user can cause, and the exit codes the CLI maps them to."""
+
+EXIT_ERROR = 1
+EXIT_GATE_FAILED = 3
+EXIT_GATE_INCONCLUSIVE = 4
+
+
+class QserveError(Exception):
+    """A failure with a one-line message meant for the user (no traceback)."""
+
+
+class UnsupportedOnDevice(QserveError):
+    """vLLM cannot run this checkpoint correctly on the current device."""

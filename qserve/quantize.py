@@ -1,0 +1,166 @@
+"""`qserve quantize`: check a recipe against the model, calibrate, export, write the manifest."""
+
+from __future__ import annotations
+
+import re
+import resource
+import shutil
+import signal
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from qserve import paths
+from qserve.errors import QserveError
+from qserve.manifest import Manifest, VllmArgs, hash_files, library_versions, write_manifest
+from qserve.models import ModelRef, resolve_model
+from qserve.progress import info, step
+from qserve.recipe import Recipe, load_recipe
+from qserve.schemes import SCHEMES
+
+CANDIDATE_GROUP_SIZES = (32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class QuantizeResult:
+    output: Path
+    manifest: Manifest
+
+
+def default_output(recipe: Recipe) -> Path:
+    return Path(f"out-{recipe.name}")
+
+
+def quantize(
+    recipe_path: str | Path,
+    model: str | None = None,
+    output: str | Path | None = None,
+    data_dir: str | Path | None = None,
+    force: bool = False,
+) -> QuantizeResult:
+    """Quantize `model` with the recipe and write a checkpoint plus manifest into `output`."""
+    recipe, recipe_sha = load_recipe(recipe_path)
+    out = Path(output) if output else default_output(recipe)
+    if out.exists() and not force:
+        raise QserveError(f"output {out} already exists; pass --force to replace it or --output to choose another")
+    ref = resolve_model(model)
+    check_shapes(ref.path, recipe)
+
+    texts, calib_record = None, None
+    if recipe.calibration is not None:
+        from qserve.calibration import load_texts
+
+        texts, calib_record = load_texts(recipe.calibration, paths.data_dir(data_dir))
+
+    # Build next to the target and rename at the end: a crash or Ctrl-C never
+    # leaves a directory at `out` that looks like a finished checkpoint.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    try:
+        with _terminate_as_interrupt():
+            manifest = _run(ref, recipe, recipe_path, recipe_sha, texts, calib_record, partial)
+        if out.exists():
+            shutil.rmtree(out)
+        partial.rename(out)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    paths.remember_checkpoint(out)
+    info(f"checkpoint written to {out}")
+    return QuantizeResult(out, manifest)
+
+
+def _run(ref: ModelRef, recipe: Recipe, recipe_path, recipe_sha: str, texts, calib_record, partial: Path) -> Manifest:
+    from qserve.backends import llmcompressor as backend
+
+    start = time.monotonic()
+    label = f"quantizing {ref.id} to {recipe.scheme} with {recipe.algorithm}"
+    label += f" on {len(texts)} calibration samples" if texts else " (data-free)"
+    with step(label) as timing:
+        backend.quantize(ref.path, recipe, texts, partial)
+    with step("hashing checkpoint files"):
+        files = hash_files(partial)
+    scheme = SCHEMES[recipe.scheme]
+    manifest = Manifest(
+            created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            scheme=recipe.scheme,
+            recipe=recipe.model_dump(),
+            recipe_source={"path": str(Path(recipe_path).resolve()), "sha256": recipe_sha},
+            source_model={"id": ref.id, "path": str(ref.path), "source": ref.source},
+            calibration=calib_record,
+            versions=library_versions(),
+            vllm_args=VllmArgs(quantization=backend.QUANTIZATION_METHOD, kv_cache_dtype="auto", dtype=recipe.dtype or scheme.vllm_dtype),
+            timings={
+                "quantize_seconds": timing["seconds"],
+                "total_seconds": round(time.monotonic() - start, 2),
+                "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            },
+            files=files,
+    )
+    write_manifest(partial, manifest)
+    return manifest
+
+
+class _terminate_as_interrupt:
+    """Turn SIGTERM into KeyboardInterrupt so cleanup runs for `kill` as for Ctrl-C."""
+
+    def __enter__(self):
+        self._old = signal.signal(signal.SIGTERM, self._raise)
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGTERM, self._old)
+
+    @staticmethod
+    def _raise(signum, frame):
+        raise KeyboardInterrupt
+
+
+def check_shapes(model_path: Path, recipe: Recipe) -> None:
+    """Fail before calibrating when the recipe cannot apply to the model's layers."""
+    if recipe.group_size is None and not SCHEMES[recipe.scheme].group_quantized:
+        return
+    group = recipe.group_size or _preset_group_size(recipe.scheme)
+    if group is None:
+        return
+    dims = linear_input_dims(model_path, recipe.ignore)
+    bad = {name: d for name, d in dims.items() if d % group}
+    if not bad:
+        return
+    fits = [g for g in CANDIDATE_GROUP_SIZES if all(d % g == 0 for d in dims.values())]
+    layers = ", ".join(f"{name} (input dim {d})" for name, d in sorted(bad.items()))
+    advice = f"set group_size to {' or '.join(map(str, fits))}" if fits else "add these layers to ignore"
+    raise QserveError(f"group_size {group} does not divide the input dim of {layers}; {advice} in the recipe")
+
+
+def _preset_group_size(scheme: str) -> int | None:
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    return preset_name_to_scheme(scheme, ["Linear"]).weights.group_size
+
+
+def linear_input_dims(model_path: Path, ignore: list[str]) -> dict[str, int]:
+    """Input dims of the Linear layers a recipe quantizes, keyed by name with layer numbers as '*'."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    dims: dict[str, int] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and not _ignored(name, ignore):
+            key = re.sub(r"\.\d+\.", ".*.", name)
+            dims[key] = module.in_features
+    return dims
+
+
+def _ignored(name: str, ignore: list[str]) -> bool:
+    for pattern in ignore:
+        if pattern.startswith("re:"):
+            if re.match(pattern[3:], name):
+                return True
+        elif name == pattern or name.endswith("." + pattern):
+            return True
+    return False

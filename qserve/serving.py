@@ -1,0 +1,137 @@
+"""`qserve serve`: vLLM's OpenAI-compatible server with the checkpoint's matched arguments."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from qserve import engine
+from qserve.errors import QserveError
+from qserve.evaluation import read_eval
+from qserve.manifest import Manifest, manifest_digest, read_manifest, verify_files
+from qserve.progress import info, step
+
+READY_TIMEOUT = 900.0
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    command: list[str]
+    env: dict[str, str]
+    url: str
+    model_name: str
+
+
+def check_gate(ckpt: Path, manifest: Manifest) -> str:
+    """Raise unless this exact checkpoint passed `qserve eval`; returns when it was decided."""
+    result = read_eval(ckpt)
+    if result is None:
+        raise QserveError(f"{ckpt} has no accuracy gate result; run `qserve eval {ckpt}` first (or pass --skip-gate)")
+    if result.get("manifest_sha256") != manifest_digest(manifest):
+        raise QserveError(f"the gate result in {ckpt} was decided for different checkpoint contents; run `qserve eval {ckpt}` again")
+    if result.get("verdict") != "pass":
+        raise QserveError(f"{ckpt} did not pass its accuracy gate (verdict: {result.get('verdict')}); see `qserve eval {ckpt}` (or pass --skip-gate)")
+    return str(result.get("decided_at"))
+
+
+def plan(ckpt: Path, manifest: Manifest, device: engine.Device, host: str, port: int, api_key: str | None = None) -> ServePlan:
+    args = manifest.vllm_args
+    name = ckpt.resolve().name
+    cmd = [str(Path(sys.executable).parent / "vllm"), "serve", str(ckpt.resolve()), "--served-model-name", name]
+    if args.quantization:
+        cmd += ["--quantization", args.quantization]
+    cmd += ["--kv-cache-dtype", args.kv_cache_dtype, "--dtype", args.dtype, "--host", host, "--port", str(port)]
+    cmd += ["--max-model-len", str(engine.MAX_MODEL_LEN)]
+    env = dict(os.environ)
+    if device.kind == "cpu":
+        # The same engine settings the gate was decided with (see engine.engine_kwargs).
+        cmd += ["--kv-cache-memory-bytes", str(engine.CPU_KV_CACHE_BYTES), "--enforce-eager"]
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    if api_key:
+        env["VLLM_API_KEY"] = api_key  # via the environment, so the key stays out of `ps`
+    return ServePlan(cmd, env, f"http://{host}:{port}", name)
+
+
+def ensure_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise QserveError(f"cannot listen on {host}:{port}: {exc.strerror}; pick another --port") from None
+
+
+def serve(checkpoint: str | Path, host: str = "127.0.0.1", port: int = 8000, skip_gate: bool = False, api_key: str | None = None) -> int:
+    """Start the server, wait until it answers, and run until it exits or we are signalled."""
+    ckpt = Path(checkpoint)
+    manifest = read_manifest(ckpt)
+    verify_files(ckpt, manifest)
+    device = engine.detect_device()
+    engine.check_supported(manifest, device)
+    if skip_gate:
+        info("warning: --skip-gate: serving a checkpoint without a passing accuracy gate")
+    else:
+        info(f"accuracy gate passed (decided {check_gate(ckpt, manifest)})")
+    ensure_port_free(host, port)
+    p = plan(ckpt, manifest, device, host, port, api_key)
+    proc = subprocess.Popen(p.command, env=p.env, start_new_session=True)
+    stop = _forward_signals(proc)
+    try:
+        with step(f"starting vLLM server for {p.model_name} on {p.url}"):
+            _wait_ready(proc, p.url)
+        print(f"serving {p.model_name} at {p.url}/v1", flush=True)
+        print(_curl(p, api_key), flush=True)
+        return proc.wait()
+    finally:
+        stop()
+
+
+def _wait_ready(proc: subprocess.Popen, url: str) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise QserveError(f"vLLM server exited with code {proc.returncode} before it was ready (its log is above)")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(1)
+    raise QserveError(f"vLLM server did not become ready within {READY_TIMEOUT:.0f}s")
+
+
+def _forward_signals(proc: subprocess.Popen):
+    """SIGINT/SIGTERM stop the server cleanly; returns a function that restores and reaps."""
+
+    def handler(signum, frame):
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def stop() -> None:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for s, h in old.items():
+            signal.signal(s, h)
+
+    return stop
+
+
+def _curl(p: ServePlan, api_key: str | None) -> str:
+    auth = ' -H "Authorization: Bearer $QSERVE_API_KEY"' if api_key else ""
+    body = f'{{"model": "{p.model_name}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
+    return f"curl {p.url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"

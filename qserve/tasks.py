@@ -1,0 +1,66 @@
+"""The eval task registry: evals/*.yaml, each an lm-eval task plus where its local data lives."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from qserve.errors import QserveError
+from qserve.paths import project_data
+
+
+class TaskDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    lm_eval_task: str | None = None  # start from this registered lm-eval task's config
+    config: dict[str, Any] = {}  # lm-eval task config keys (override the base task's)
+    data_files: dict[str, str]  # split -> file, relative to the data dir
+    metric: str  # "<metric>,<filter>" key in lm-eval's results
+    higher_is_better: bool
+
+
+def registry(evals_dir: Path | None = None) -> dict[str, TaskDef]:
+    folder = evals_dir or project_data("evals")
+    out = {}
+    for path in sorted(folder.glob("*.yaml")):
+        try:
+            task = TaskDef.model_validate(yaml.safe_load(path.read_text()))
+        except (ValidationError, yaml.YAMLError) as exc:
+            raise QserveError(f"eval definition {path} is invalid: {str(exc).splitlines()[0]}") from None
+        out[task.name] = task
+    return out
+
+
+def get_tasks(names: list[str]) -> list[TaskDef]:
+    known = registry()
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise QserveError(f"unknown task {', '.join(unknown)}; available: {', '.join(known)}")
+    return [known[n] for n in names]
+
+
+def lm_eval_config(task: TaskDef, data_dir: Path) -> dict[str, Any]:
+    """A complete lm-eval task config dict that reads the task's data from local files."""
+    files = {}
+    for split, rel in task.data_files.items():
+        path = (data_dir / rel).resolve()
+        if not path.is_file():
+            raise QserveError(f"task {task.name} needs {path}, which does not exist (set --data-dir / QSERVE_DATA_DIR; now {data_dir})")
+        files[split] = str(path)
+    cfg = _base_config(task.lm_eval_task) if task.lm_eval_task else {}
+    cfg.update(task.config)
+    cfg.update(task=task.name, dataset_path="json", dataset_name=None, dataset_kwargs={"data_files": files})
+    return cfg
+
+
+def _base_config(name: str) -> dict[str, Any]:
+    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    entry = TaskManager().task_index.get(name)
+    if entry is None or entry.yaml_path is None:
+        raise QserveError(f"lm-eval has no task named {name!r}")
+    return dict(load_yaml(entry.yaml_path, resolve_func=True))

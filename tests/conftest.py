@@ -1,0 +1,84 @@
+"""Shared fixtures: real data from ../shared, the real embedded model, real quantized checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DATA_DIR = Path(os.environ.get("QSERVE_DATA_DIR", REPO.parent / "shared" / "data")).resolve()
+# Persistent across runs so the embedded model is converted once per clone.
+CACHE_DIR = Path(os.environ.get("QSERVE_TEST_CACHE", REPO / ".qserve-test-cache")).resolve()
+QSERVE = [sys.executable, "-m", "qserve.cli"]
+EVAL_LIMIT = 10
+
+
+@pytest.fixture(scope="session", autouse=True)
+def qserve_env() -> None:
+    if not (DATA_DIR / "gsm8k" / "train.jsonl").is_file():
+        pytest.exit(f"GSM8K data not found under {DATA_DIR}; set QSERVE_DATA_DIR", returncode=2)
+    os.environ["QSERVE_DATA_DIR"] = str(DATA_DIR)
+    os.environ["QSERVE_CACHE_DIR"] = str(CACHE_DIR)
+
+
+def run_qserve(*args: str, env: dict | None = None, timeout: float = 1800, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run the real CLI in a subprocess, as a user would."""
+    return subprocess.run(
+        [*QSERVE, *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        cwd=cwd or REPO,
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def embedded_model_dir() -> Path:
+    from qserve.models import resolve_model
+
+    return resolve_model(None).path
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory, embedded_model_dir) -> dict[str, Path]:
+    """Lazily quantize each shipped recipe once per session through the CLI."""
+    root = tmp_path_factory.mktemp("ckpt")
+
+    class Lazy(dict):
+        def __missing__(self, name: str) -> Path:
+            out = root / name
+            proc = run_qserve("quantize", REPO / "recipes" / f"{name}.yaml", "--output", out)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            assert proc.stdout.strip().endswith(str(out)), proc.stdout
+            self[name] = out
+            return out
+
+    return Lazy()
+
+
+def copy_checkpoint(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def passed_eval(checkpoints) -> tuple[Path, dict]:
+    """The INT8 W8A8 checkpoint evaluated against the recipe's own gates (0.95), which it passes."""
+    ckpt = checkpoints["w8a8-int8"]
+    proc = run_qserve("eval", ckpt, "--tasks", "gsm8k_ppl,gsm8k", "--limit", str(EVAL_LIMIT), "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return ckpt, json.loads(proc.stdout)

@@ -1,0 +1,54 @@
+"""CLI surface: help is instant (no heavy imports), flags are validated, errors are one line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import run_qserve
+
+HEAVY = ("torch", "vllm", "llmcompressor", "lm_eval", "transformers", "quark")
+
+
+def test_help_imports_nothing_heavy() -> None:
+    code = (
+        "import sys; from typer.testing import CliRunner; from qserve.cli import app\n"
+        "for args in (['--help'], ['quantize', '--help'], ['eval', '--help'], ['serve', '--help']):\n"
+        "    r = CliRunner().invoke(app, args); assert r.exit_code == 0, r.output\n"
+        f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("cmd", ["quantize", "eval", "serve"])
+def test_subcommand_help_teaches(cmd: str) -> None:
+    proc = run_qserve(cmd, "--help")
+    assert proc.returncode == 0
+    assert "Usage: " in proc.stdout and len(proc.stdout.splitlines()) > 5
+
+
+def test_bad_gate_flag(tmp_path: Path) -> None:
+    proc = run_qserve("eval", tmp_path, "--gate", "gsm8k")
+    assert proc.returncode == 1
+    assert "expected TASK=MIN_RECOVERY" in proc.stderr
+
+
+def test_eval_without_checkpoint_and_no_history(tmp_path: Path) -> None:
+    proc = run_qserve("eval", env={"QSERVE_CACHE_DIR": str(tmp_path)})
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == "error: no checkpoint given and no previous `qserve quantize` output found; pass CHECKPOINT"
+
+
+def test_eval_on_a_directory_that_is_no_checkpoint(tmp_path: Path) -> None:
+    proc = run_qserve("eval", tmp_path)
+    assert proc.returncode == 1
+    assert "not a qserve checkpoint" in proc.stderr
+
+
+def test_serve_rejects_bad_port() -> None:
+    proc = run_qserve("serve", ".", "--port", "70000")
+    assert proc.returncode == 2

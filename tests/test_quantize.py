@@ -1,0 +1,96 @@
+"""`qserve quantize` on the real embedded model with the real llm-compressor."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import QSERVE, REPO, run_qserve
+from qserve.errors import QserveError
+from qserve.manifest import MANIFEST_NAME, read_manifest, sha256_file
+from qserve.quantize import check_shapes
+from qserve.recipe import parse_recipe
+
+RECIPES = ["w4a16-gptq", "fp8", "w8a8-int8"]
+W4A16_128 = "name: t\nscheme: W4A16\ncalibration: {path: gsm8k/train.jsonl}\n"
+
+
+def test_shape_check_names_layers_and_fix(embedded_model_dir: Path) -> None:
+    with pytest.raises(QserveError) as e:
+        check_shapes(embedded_model_dir, parse_recipe(W4A16_128))  # preset group 128; hidden size 576
+    msg = str(e.value)
+    assert msg.startswith("group_size 128 does not divide the input dim of model.layers.*.mlp.gate_proj (input dim 576)")
+    assert "model.layers.*.self_attn.q_proj (input dim 576)" in msg
+    assert "mlp.down_proj" not in msg  # 1536 = 12 * 128
+    assert msg.endswith("set group_size to 32 or 64 in the recipe")
+
+
+def test_shape_check_accepts_group_64(embedded_model_dir: Path) -> None:
+    check_shapes(embedded_model_dir, parse_recipe(W4A16_128 + "group_size: 64\n"))
+
+
+def test_shape_check_runs_before_calibration(tmp_path: Path) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(W4A16_128)
+    proc = run_qserve("quantize", recipe, "--output", tmp_path / "out")
+    assert proc.returncode == 1 and "set group_size to 32 or 64" in proc.stderr
+    assert "quantizing" not in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_quantizes_embedded_model(checkpoints, name: str) -> None:
+    ckpt = checkpoints[name]
+    manifest = read_manifest(ckpt)
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+    assert manifest.vllm_args.quantization == "compressed-tensors"
+    assert manifest.source_model["id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert manifest.recipe_source["sha256"] == sha256_file(REPO / "recipes" / f"{name}.yaml")
+    assert manifest.versions["llmcompressor"] and manifest.versions["torch"].startswith("2.13.0")
+    assert manifest.files["model.safetensors"] == sha256_file(ckpt / "model.safetensors")
+    weights = config["quantization_config"]["config_groups"]["group_0"]["weights"]
+    if name == "w4a16-gptq":
+        assert (weights["num_bits"], weights["group_size"], manifest.vllm_args.dtype) == (4, 64, "float16")
+    else:
+        assert weights["num_bits"] == 8
+    if manifest.calibration:
+        assert manifest.calibration["samples"] == 32 and len(manifest.calibration["content_sha256"]) == 64
+        assert manifest.calibration["path"].endswith("gsm8k/train.jsonl")
+    else:
+        assert name == "fp8"
+    # A 4-bit checkpoint must be much smaller than the float32 source.
+    if name == "w4a16-gptq":
+        src = sum(f.stat().st_size for f in Path(manifest.source_model["path"]).glob("*.safetensors"))
+        assert (ckpt / "model.safetensors").stat().st_size < 0.35 * src
+
+
+@pytest.mark.slow
+def test_existing_output_is_refused_without_force(checkpoints) -> None:
+    ckpt = checkpoints["fp8"]
+    before = (ckpt / MANIFEST_NAME).read_bytes()
+    proc = run_qserve("quantize", REPO / "recipes" / "fp8.yaml", "--output", ckpt)
+    assert proc.returncode == 1 and "already exists; pass --force" in proc.stderr
+    assert (ckpt / MANIFEST_NAME).read_bytes() == before
+
+
+@pytest.mark.slow
+def test_interrupted_quantize_leaves_nothing(tmp_path: Path, embedded_model_dir: Path) -> None:
+    out = tmp_path / "out"
+    proc = subprocess.Popen([*QSERVE, "quantize", REPO / "recipes" / "w4a16-gptq.yaml", "--output", out], stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+    for line in proc.stderr:  # interrupt once calibration has started
+        if line.startswith("> quantizing"):
+            break
+    time.sleep(3)
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=60) == 130, rest[-2000:]
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == []
