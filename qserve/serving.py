@@ -45,7 +45,7 @@ def check_gate(ckpt: Path, manifest: Manifest) -> str:
 def plan(ckpt: Path, manifest: Manifest, device: engine.Device, host: str, port: int, api_key: str | None = None) -> ServePlan:
     args = manifest.vllm_args
     name = ckpt.resolve().name
-    cmd = [str(Path(sys.executable).parent / "vllm"), "serve", str(ckpt.resolve()), "--served-model-name", name]
+    cmd = [sys.executable, "-m", "qserve.vllm_cli", "serve", str(ckpt.resolve()), "--served-model-name", name]
     if args.quantization:
         cmd += ["--quantization", args.quantization]
     cmd += ["--kv-cache-dtype", args.kv_cache_dtype, "--dtype", args.dtype, "--host", host, "--port", str(port)]
@@ -81,7 +81,8 @@ def serve(checkpoint: str | Path, host: str = "127.0.0.1", port: int = 8000, ski
         info(f"accuracy gate passed (decided {check_gate(ckpt, manifest)})")
     ensure_port_free(host, port)
     p = plan(ckpt, manifest, device, host, port, api_key)
-    proc = subprocess.Popen(p.command, env=p.env, start_new_session=True)
+    # vLLM's logs and access log go to stderr: stdout carries only the endpoint and curl lines.
+    proc = subprocess.Popen(p.command, env=p.env, start_new_session=True, stdout=sys.stderr)
     stop = _forward_signals(proc)
     try:
         with step(f"starting vLLM server for {p.model_name} on {p.url}"):
