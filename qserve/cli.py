@@ -52,6 +52,10 @@ def _user_errors(fn):
         except KeyboardInterrupt:
             typer.echo("interrupted", err=True)
             raise typer.Exit(130) from None
+        except OSError as exc:  # full disk, permissions: the user's to fix, not a crash
+            where = f": {exc.filename}" if exc.filename else ""
+            typer.echo(f"error: {exc.strerror or exc}{where}", err=True)
+            raise typer.Exit(EXIT_ERROR) from None
 
     return wrapper
 
@@ -64,12 +68,13 @@ def quantize(
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Checkpoint directory. Default: out-<recipe name>.")] = None,
     data_dir: DataDirOpt = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output directory.")] = False,
+    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Run the model repo's own Python code (off by default).")] = False,
 ) -> None:
     """Quantize a model with a recipe and export a safetensors checkpoint plus qserve_manifest.json."""
     from qserve.quantize import quantize as run
 
     with _results_only_on_stdout():
-        result = run(recipe, model=model, output=output, data_dir=data_dir, force=force)
+        result = run(recipe, model=model, output=output, data_dir=data_dir, force=force, trust_remote_code=trust_remote_code)
     typer.echo(str(result.output))
 
 
@@ -93,20 +98,25 @@ def eval_(
     raise typer.Exit(code)
 
 
-@app.command()
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 @_user_errors
 def serve(
+    ctx: typer.Context,
     checkpoint: Annotated[Path, typer.Argument(help="Checkpoint dir whose accuracy gate passed.")],
     host: Annotated[str, typer.Option(help="Address to bind. Loopback unless you mean otherwise.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8000,
     skip_gate: Annotated[bool, typer.Option("--skip-gate", help="Serve even without a passing gate (not for production).")] = False,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="QSERVE_API_KEY", help="Require this bearer token.")] = None,
 ) -> None:
-    """Start vLLM's OpenAI-compatible server with the checkpoint's quantization, kv_cache_dtype and dtype."""
+    """Start vLLM's OpenAI-compatible server with the checkpoint's quantization, kv_cache_dtype and dtype.
+
+    Extra vLLM options go after `--`, e.g. `qserve serve CKPT -- --tensor-parallel-size 2 --max-model-len 4096`;
+    they may not contradict the checkpoint's --quantization, --kv-cache-dtype or --dtype.
+    """
     from qserve.serving import serve as run
 
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout: the endpoint and curl only
-    raise typer.Exit(run(checkpoint, host=host, port=port, skip_gate=skip_gate, api_key=api_key))
+    raise typer.Exit(run(checkpoint, host=host, port=port, skip_gate=skip_gate, api_key=api_key, extra_args=list(ctx.args)))
 
 
 def _split(value: str | None) -> list[str] | None:

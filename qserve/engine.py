@@ -70,8 +70,9 @@ def check_supported(manifest: Manifest, device: Device) -> None:
         raise UnsupportedOnDevice(f"{manifest.scheme} with group size {group} cannot run on this machine ({device.detail}): vLLM-CPU's int4 kernel needs an even group size; NVIDIA GPUs (Marlin) need a multiple of 32")
 
 
-def baseline_args(device: Device) -> VllmArgs:
-    return VllmArgs(quantization=None, kv_cache_dtype="auto", dtype=CPU_BASELINE_DTYPE if device.kind == "cpu" else "auto")
+def baseline_args(device: Device, trust_remote_code: bool = False) -> VllmArgs:
+    dtype = CPU_BASELINE_DTYPE if device.kind == "cpu" else "auto"
+    return VllmArgs(quantization=None, kv_cache_dtype="auto", dtype=dtype, trust_remote_code=trust_remote_code)
 
 
 def engine_kwargs(model_path: Path, args: VllmArgs, device: Device) -> dict[str, Any]:
@@ -81,6 +82,7 @@ def engine_kwargs(model_path: Path, args: VllmArgs, device: Device) -> dict[str,
         "dtype": args.dtype,
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "trust_remote_code": args.trust_remote_code,
         "max_model_len": MAX_MODEL_LEN,
         "seed": 0,
     }

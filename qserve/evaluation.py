@@ -101,7 +101,7 @@ def evaluate(
 
     started = time.monotonic()
     quant_raw, quant_secs = run_lm_eval(ckpt, manifest.vllm_args, device, configs, limit, "the quantized checkpoint")
-    base_args = engine.baseline_args(device)
+    base_args = engine.baseline_args(device, manifest.vllm_args.trust_remote_code)
     base_raw, base_secs = run_lm_eval(baseline.path, base_args, device, configs, limit, f"the baseline {baseline.id}")
 
     decided = [
@@ -109,7 +109,7 @@ def evaluate(
     ]
     summary = {
         "checkpoint": str(ckpt.resolve()),
-        "manifest_sha256": manifest_digest(manifest),
+        "manifest_sha256": manifest_digest(ckpt),
         "decided_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "verdict": verdict(decided),
         "gates": [asdict(g) for g in decided],

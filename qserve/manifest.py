@@ -24,6 +24,7 @@ class VllmArgs(BaseModel):
     quantization: str | None
     kv_cache_dtype: str = "auto"
     dtype: str = "auto"
+    trust_remote_code: bool = False
 
 
 class Manifest(BaseModel):
@@ -84,9 +85,9 @@ def read_manifest(directory: Path) -> Manifest:
         raise QserveError(f"{path} is corrupt or was edited by hand: {str(exc).splitlines()[0]}") from None
 
 
-def manifest_digest(manifest: Manifest) -> str:
-    """Identity of a checkpoint: its manifest, file hashes included. Gate decisions bind to it."""
-    return hashlib.sha256(manifest.model_dump_json().encode()).hexdigest()
+def manifest_digest(directory: Path) -> str:
+    """Identity of a checkpoint: the manifest file's bytes, file hashes included. Gate decisions bind to it."""
+    return sha256_file(directory / MANIFEST_NAME)
 
 
 def verify_files(directory: Path, manifest: Manifest) -> None:

@@ -38,10 +38,26 @@ def resolve_model(spec: str | None) -> ModelRef:
     if local.exists():
         if not (local / "config.json").is_file():
             raise QserveError(f"model directory {local} has no config.json; expected a Hugging Face checkpoint")
+        check_weights(local)
         return ModelRef(str(local.resolve()), local.resolve(), "local")
     if spec.startswith((".", "/", "~")) or spec.count("/") != 1:
         raise QserveError(f"model {spec!r} not found: not a local directory and not a hub id (org/name)")
     return ModelRef(spec, _download(spec), "hub")
+
+
+def check_weights(directory: Path) -> None:
+    """Fail early on missing, unreadable, corrupt or truncated safetensors (headers only; cheap)."""
+    from safetensors import SafetensorError, safe_open
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise QserveError(f"model directory {directory} has no .safetensors weights")
+    for path in files:
+        try:
+            with safe_open(str(path), "pt") as f:
+                f.keys()
+        except (SafetensorError, OSError) as exc:
+            raise QserveError(f"model weights {path} are unreadable, corrupt or truncated ({exc})") from None
 
 
 def _download(repo_id: str) -> Path:

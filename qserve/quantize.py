@@ -38,6 +38,7 @@ def quantize(
     output: str | Path | None = None,
     data_dir: str | Path | None = None,
     force: bool = False,
+    trust_remote_code: bool = False,
 ) -> QuantizeResult:
     """Quantize `model` with the recipe and write a checkpoint plus manifest into `output`."""
     recipe, recipe_sha = load_recipe(recipe_path)
@@ -45,7 +46,7 @@ def quantize(
     if out.exists() and not force:
         raise QserveError(f"output {out} already exists; pass --force to replace it or --output to choose another")
     ref = resolve_model(model)
-    check_shapes(ref.path, recipe)
+    check_shapes(ref.path, recipe, trust_remote_code)
 
     texts, calib_record = None, None
     if recipe.calibration is not None:
@@ -61,7 +62,7 @@ def quantize(
     partial.mkdir()
     try:
         with _terminate_as_interrupt():
-            manifest = _run(ref, recipe, recipe_path, recipe_sha, texts, calib_record, partial)
+            manifest = _run(ref, recipe, recipe_path, recipe_sha, texts, calib_record, partial, trust_remote_code)
         if out.exists():
             shutil.rmtree(out)
         partial.rename(out)
@@ -72,14 +73,14 @@ def quantize(
     return QuantizeResult(out, manifest)
 
 
-def _run(ref: ModelRef, recipe: Recipe, recipe_path, recipe_sha: str, texts, calib_record, partial: Path) -> Manifest:
+def _run(ref: ModelRef, recipe: Recipe, recipe_path, recipe_sha: str, texts, calib_record, partial: Path, trust_remote_code: bool) -> Manifest:
     from qserve.backends import llmcompressor as backend
 
     start = time.monotonic()
     label = f"quantizing {ref.id} to {recipe.scheme} with {recipe.algorithm}"
     label += f" on {len(texts)} calibration samples" if texts else " (data-free)"
     with step(label) as timing:
-        backend.quantize(ref.path, recipe, texts, partial)
+        backend.quantize(ref.path, recipe, texts, partial, trust_remote_code)
     with step("hashing checkpoint files"):
         files = hash_files(partial)
     scheme = SCHEMES[recipe.scheme]
@@ -91,7 +92,12 @@ def _run(ref: ModelRef, recipe: Recipe, recipe_path, recipe_sha: str, texts, cal
             source_model={"id": ref.id, "path": str(ref.path), "source": ref.source},
             calibration=calib_record,
             versions=library_versions(),
-            vllm_args=VllmArgs(quantization=backend.QUANTIZATION_METHOD, kv_cache_dtype="auto", dtype=recipe.dtype or scheme.vllm_dtype),
+            vllm_args=VllmArgs(
+                quantization=backend.QUANTIZATION_METHOD,
+                kv_cache_dtype="auto",
+                dtype=recipe.dtype or scheme.vllm_dtype,
+                trust_remote_code=trust_remote_code,
+            ),
             timings={
                 "quantize_seconds": timing["seconds"],
                 "total_seconds": round(time.monotonic() - start, 2),
@@ -117,14 +123,14 @@ class _terminate_as_interrupt:
         raise KeyboardInterrupt
 
 
-def check_shapes(model_path: Path, recipe: Recipe) -> None:
+def check_shapes(model_path: Path, recipe: Recipe, trust_remote_code: bool = False) -> None:
     """Fail before calibrating when the recipe cannot apply to the model's layers."""
     if recipe.group_size is None and not SCHEMES[recipe.scheme].group_quantized:
         return
     group = recipe.group_size or _preset_group_size(recipe.scheme)
     if group is None:
         return
-    dims = linear_input_dims(model_path, recipe.ignore)
+    dims = linear_input_dims(model_path, recipe.ignore, trust_remote_code)
     bad = {name: d for name, d in dims.items() if d % group}
     if not bad:
         return
@@ -140,14 +146,14 @@ def _preset_group_size(scheme: str) -> int | None:
     return preset_name_to_scheme(scheme, ["Linear"]).weights.group_size
 
 
-def linear_input_dims(model_path: Path, ignore: list[str]) -> dict[str, int]:
+def linear_input_dims(model_path: Path, ignore: list[str], trust_remote_code: bool = False) -> dict[str, int]:
     """Input dims of the Linear layers a recipe quantizes, keyed by name with layer numbers as '*'."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(model_path)
+    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     dims: dict[str, int] = {}
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and not _ignored(name, ignore):

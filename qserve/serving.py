@@ -30,34 +30,91 @@ class ServePlan:
     model_name: str
 
 
-def check_gate(ckpt: Path, manifest: Manifest) -> str:
+def check_gate(ckpt: Path) -> str:
     """Raise unless this exact checkpoint passed `qserve eval`; returns when it was decided."""
     result = read_eval(ckpt)
     if result is None:
         raise QserveError(f"{ckpt} has no accuracy gate result; run `qserve eval {ckpt}` first (or pass --skip-gate)")
-    if result.get("manifest_sha256") != manifest_digest(manifest):
+    if result.get("manifest_sha256") != manifest_digest(ckpt):
         raise QserveError(f"the gate result in {ckpt} was decided for different checkpoint contents; run `qserve eval {ckpt}` again")
     if result.get("verdict") != "pass":
         raise QserveError(f"{ckpt} did not pass its accuracy gate (verdict: {result.get('verdict')}); see `qserve eval {ckpt}` (or pass --skip-gate)")
     return str(result.get("decided_at"))
 
 
-def plan(ckpt: Path, manifest: Manifest, device: engine.Device, host: str, port: int, api_key: str | None = None) -> ServePlan:
+# vLLM flags whose value the checkpoint decides: a contradicting pass-through is an error.
+MATCHED_FLAGS = {"--quantization": "quantization", "-q": "quantization", "--kv-cache-dtype": "kv_cache_dtype", "--dtype": "dtype"}
+# Flags qserve sets from its own options.
+OWNED_FLAGS = {"--host": "--host", "--port": "--port", "--api-key": "--api-key (or QSERVE_API_KEY)"}
+
+
+def plan(
+    ckpt: Path,
+    manifest: Manifest,
+    device: engine.Device,
+    host: str,
+    port: int,
+    api_key: str | None = None,
+    extra_args: list[str] | None = None,
+) -> ServePlan:
+    """The `vllm serve` command line: matched arguments, device defaults, then the user's extras."""
     args = manifest.vllm_args
-    name = ckpt.resolve().name
-    cmd = [sys.executable, "-m", "qserve.vllm_cli", "serve", str(ckpt.resolve()), "--served-model-name", name]
-    if args.quantization:
-        cmd += ["--quantization", args.quantization]
-    cmd += ["--kv-cache-dtype", args.kv_cache_dtype, "--dtype", args.dtype, "--host", host, "--port", str(port)]
-    cmd += ["--max-model-len", str(engine.MAX_MODEL_LEN)]
+    extras = parse_extra_args(extra_args or [])
+    _check_extras(extras, manifest)
+    matched = {"--quantization": args.quantization, "--kv-cache-dtype": args.kv_cache_dtype, "--dtype": args.dtype}
+    defaults: dict[str, str | None] = {"--served-model-name": ckpt.resolve().name, "--max-model-len": str(engine.MAX_MODEL_LEN)}
     env = dict(os.environ)
     if device.kind == "cpu":
         # The same engine settings the gate was decided with (see engine.engine_kwargs).
-        cmd += ["--kv-cache-memory-bytes", str(engine.CPU_KV_CACHE_BYTES), "--enforce-eager"]
+        defaults.update({"--kv-cache-memory-bytes": str(engine.CPU_KV_CACHE_BYTES), "--enforce-eager": None})
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    if args.trust_remote_code:
+        defaults["--trust-remote-code"] = None
     if api_key:
         env["VLLM_API_KEY"] = api_key  # via the environment, so the key stays out of `ps`
-    return ServePlan(cmd, env, f"http://{host}:{port}", name)
+    user = {flag for flag, _ in extras}
+    options = [(f, v) for f, v in matched.items() if v is not None] + [("--host", host), ("--port", str(port))]
+    options += [(f, v) for f, v in defaults.items() if f not in user]
+    options += [(f, v) for f, v in extras if f not in MATCHED_FLAGS]
+    cmd = [sys.executable, "-m", "qserve.vllm_cli", "serve", str(ckpt.resolve())]
+    for flag, value in options:
+        cmd += [flag] if value is None else [flag, value]
+    name = dict(extras).get("--served-model-name") or defaults["--served-model-name"]
+    return ServePlan(cmd, env, f"http://{host}:{port}", str(name))
+
+
+def parse_extra_args(tokens: list[str]) -> list[tuple[str, str | None]]:
+    """`--flag value`, `--flag=value` and bare `--flag` into (flag, value) pairs."""
+    pairs: list[tuple[str, str | None]] = []
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if not token.startswith("-"):
+            raise QserveError(f"unexpected vLLM argument {token!r}: pass vLLM options as `-- --flag value`")
+        flag, eq, value = token.partition("=")
+        if not eq and i + 1 < len(tokens) and not _looks_like_flag(tokens[i + 1]):
+            value, i = tokens[i + 1], i + 1
+        pairs.append((flag, value if (eq or value) else None))
+        i += 1
+    return pairs
+
+
+def _looks_like_flag(token: str) -> bool:
+    return token.startswith("-") and not token[1:2].isdigit()
+
+
+def _check_extras(extras: list[tuple[str, str | None]], manifest: Manifest) -> None:
+    for flag, value in extras:
+        if flag in OWNED_FLAGS:
+            raise QserveError(f"pass {flag} as qserve's own {OWNED_FLAGS[flag]} option, not after `--`")
+        field = MATCHED_FLAGS.get(flag)
+        if field is None:
+            continue
+        needed = getattr(manifest.vllm_args, field)
+        if value != needed:
+            raise QserveError(
+                f"{flag} {value} contradicts the checkpoint, which needs {flag} {needed} (recorded in its manifest); drop the flag"
+            )
 
 
 def ensure_port_free(host: str, port: int) -> None:
@@ -68,7 +125,14 @@ def ensure_port_free(host: str, port: int) -> None:
             raise QserveError(f"cannot listen on {host}:{port}: {exc.strerror}; pick another --port") from None
 
 
-def serve(checkpoint: str | Path, host: str = "127.0.0.1", port: int = 8000, skip_gate: bool = False, api_key: str | None = None) -> int:
+def serve(
+    checkpoint: str | Path,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    skip_gate: bool = False,
+    api_key: str | None = None,
+    extra_args: list[str] | None = None,
+) -> int:
     """Start the server, wait until it answers, and run until it exits or we are signalled."""
     ckpt = Path(checkpoint)
     manifest = read_manifest(ckpt)
@@ -78,9 +142,9 @@ def serve(checkpoint: str | Path, host: str = "127.0.0.1", port: int = 8000, ski
     if skip_gate:
         info("warning: --skip-gate: serving a checkpoint without a passing accuracy gate")
     else:
-        info(f"accuracy gate passed (decided {check_gate(ckpt, manifest)})")
+        info(f"accuracy gate passed (decided {check_gate(ckpt)})")
+    p = plan(ckpt, manifest, device, host, port, api_key, extra_args)
     ensure_port_free(host, port)
-    p = plan(ckpt, manifest, device, host, port, api_key)
     # vLLM's logs and access log go to stderr: stdout carries only the endpoint and curl lines.
     proc = subprocess.Popen(p.command, env=p.env, start_new_session=True, stdout=sys.stderr)
     stop = _forward_signals(proc)

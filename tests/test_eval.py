@@ -21,7 +21,7 @@ def test_eval_writes_results_and_passes(passed_eval) -> None:
     # The gate's numbers are lm-eval's numbers.
     assert ppl["baseline"] == raw["baseline"]["results"]["gsm8k_ppl"]["word_perplexity,none"]
     assert ppl["quantized"] == raw["quantized"]["results"]["gsm8k_ppl"]["word_perplexity,none"]
-    assert 1 < ppl["baseline"] < ppl["quantized"] < 1.1 * ppl["baseline"]  # 8-bit costs a little
+    assert ppl["baseline"] > 1 and abs(ppl["quantized"] / ppl["baseline"] - 1) < 0.1  # 8-bit: close either way
     assert ppl["recovery"] == pytest.approx(ppl["baseline"] / ppl["quantized"]) and ppl["status"] == "pass"
     assert raw["quantized"]["n-samples"]["gsm8k"]["effective"] == EVAL_LIMIT
     gsm = gates["gsm8k"]
@@ -29,7 +29,7 @@ def test_eval_writes_results_and_passes(passed_eval) -> None:
         assert gsm["status"] == "inconclusive" and gsm["recovery"] is None
     else:
         assert gsm["status"] in ("pass", "fail")
-    assert summary["engine_args"]["quantized"] == {"quantization": "compressed-tensors", "kv_cache_dtype": "auto", "dtype": "bfloat16"}
+    assert summary["engine_args"]["quantized"] == {"quantization": "compressed-tensors", "kv_cache_dtype": "auto", "dtype": "bfloat16", "trust_remote_code": False}
     assert summary["engine_args"]["baseline"]["dtype"] == "float32"
 
 

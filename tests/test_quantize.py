@@ -94,3 +94,43 @@ def test_interrupted_quantize_leaves_nothing(tmp_path: Path, embedded_model_dir:
     assert proc.wait(timeout=60) == 130, rest[-2000:]
     assert not out.exists()
     assert list(tmp_path.iterdir()) == []
+
+
+def _bad_model(root: Path, kind: str) -> Path:
+    if kind == "missing":
+        return root / "missing"
+    if kind != "no-config":
+        (root / "config.json").write_text("{}")
+    if kind == "corrupt-weights":
+        (root / "model.safetensors").write_bytes(b"\x10" + b"\0" * 7 + b"{")
+    return root
+
+
+@pytest.mark.parametrize(
+    "kind,message",
+    [
+        ("missing", "not found: not a local directory and not a hub id"),
+        ("no-config", "has no config.json"),
+        ("no-weights", "has no .safetensors weights"),
+        ("corrupt-weights", "are unreadable, corrupt or truncated"),
+    ],
+)
+def test_bad_model_is_refused_before_work(tmp_path: Path, kind: str, message: str) -> None:
+    model = _bad_model(tmp_path, kind)
+    proc = run_qserve("quantize", REPO / "recipes" / "fp8.yaml", "--model", model, "--output", tmp_path / "out")
+    assert proc.returncode == 1
+    assert len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_truncated_model_weights_are_refused(tmp_path: Path, embedded_model_dir: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in embedded_model_dir.iterdir():
+        if f.suffix != ".safetensors":
+            (model / f.name).write_bytes(f.read_bytes())
+    with (embedded_model_dir / "model.safetensors").open("rb") as src:
+        (model / "model.safetensors").write_bytes(src.read(50_000_000))
+    proc = run_qserve("quantize", REPO / "recipes" / "fp8.yaml", "--model", model, "--output", tmp_path / "out")
+    assert proc.returncode == 1
+    assert f"model weights {model}/model.safetensors are unreadable, corrupt or truncated" in proc.stderr

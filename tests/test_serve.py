@@ -13,31 +13,96 @@ import pytest
 from conftest import QSERVE, copy_checkpoint, free_port, run_qserve
 
 
-@pytest.mark.slow
-def test_serve_answers_chat_completions(passed_eval) -> None:
-    from openai import OpenAI
+API_KEY = "test-key-123"
 
-    ckpt, _ = passed_eval
-    port = free_port()
-    proc = subprocess.Popen([*QSERVE, "serve", ckpt, "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=os.environ.copy())
-    timer = threading.Timer(600, proc.kill)  # never hang the suite
-    timer.start()
-    try:
-        first = proc.stdout.readline()
-        assert first.startswith(f"serving {ckpt.name} at http://127.0.0.1:{port}/v1"), first
-        curl = proc.stdout.readline()
-        assert curl.startswith(f"curl http://127.0.0.1:{port}/v1/chat/completions")
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
-        reply = client.chat.completions.create(
-            model=ckpt.name, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=16, temperature=0
-        )
-        assert "Paris" in reply.choices[0].message.content
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=90) == 0
-    finally:
-        timer.cancel()
-        if proc.poll() is None:
-            proc.kill()
+
+class Server:
+    def __init__(self, ckpt: Path) -> None:
+        self.ckpt, self.port = ckpt, free_port()
+        env = {**os.environ, "QSERVE_API_KEY": API_KEY}
+        self.proc = subprocess.Popen([*QSERVE, "serve", ckpt, "--port", str(self.port)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        self.timer = threading.Timer(900, self.proc.kill)  # never hang the suite
+        self.timer.start()
+        self.ready_line = self.proc.stdout.readline()
+        self.curl_line = self.proc.stdout.readline()
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+
+    def client(self, api_key: str = API_KEY):
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.base_url, api_key=api_key, timeout=120, max_retries=0)
+
+    def close(self) -> None:
+        self.timer.cancel()
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(passed_eval):
+    srv = Server(passed_eval[0])
+    yield srv
+    srv.close()
+
+
+@pytest.mark.slow
+def test_serve_prints_endpoint_and_curl(server) -> None:
+    assert server.ready_line == f"serving {server.ckpt.name} at {server.base_url}\n"
+    assert server.curl_line.startswith(f"curl {server.base_url}/chat/completions")
+    assert 'Authorization: Bearer $QSERVE_API_KEY' in server.curl_line and API_KEY not in server.curl_line
+
+
+@pytest.mark.slow
+def test_serve_answers_chat_completions(server) -> None:
+    reply = server.client().chat.completions.create(
+        model=server.ckpt.name, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=16, temperature=0
+    )
+    assert "Paris" in reply.choices[0].message.content
+
+
+@pytest.mark.slow
+def test_serve_refuses_requests_without_the_key(server) -> None:
+    import openai
+
+    for key in ("", "wrong-key"):
+        with pytest.raises(openai.AuthenticationError):
+            server.client(api_key=key or "none").models.list()
+
+
+def _one_request(client, model: str, kind: str) -> str:
+    prompt = "Question: What is 2 + 3?\nAnswer:"
+    messages = [{"role": "user", "content": "Name a colour."}]
+    common = {"model": model, "max_tokens": 12, "temperature": 0}
+    if kind == "chat":
+        return client.chat.completions.create(messages=messages, **common).choices[0].message.content
+    if kind == "chat-stream":
+        chunks = client.chat.completions.create(messages=messages, stream=True, **common)
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    if kind == "completion":
+        return client.completions.create(prompt=prompt, **common).choices[0].text
+    chunks = client.completions.create(prompt=prompt, stream=True, **common)
+    return "".join(c.choices[0].text for c in chunks if c.choices)
+
+
+@pytest.mark.slow
+def test_serve_survives_a_concurrent_burst(server) -> None:
+    """A bounded burst on loopback: 32 requests, 8 at a time, chat and completions, streaming or not."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    kinds = ["chat", "chat-stream", "completion", "completion-stream"] * 8
+    client = server.client()
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        texts = list(pool.map(lambda k: _one_request(client, server.ckpt.name, k), kinds))
+    assert len(texts) == 32 and all(t.strip() for t in texts)
+
+
+@pytest.mark.slow
+def test_sigint_stops_the_server_cleanly(server) -> None:
+    server.proc.send_signal(signal.SIGINT)
+    assert server.proc.wait(timeout=90) == 0
+    with pytest.raises(Exception):
+        server.client().models.list()
 
 
 @pytest.mark.slow
@@ -80,3 +145,28 @@ def test_serve_refuses_occupied_port(passed_eval) -> None:
         proc = run_qserve("serve", passed_eval[0], "--port", str(port))
     assert proc.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in proc.stderr
+
+
+@pytest.mark.slow
+def test_serve_refuses_tampered_manifest(passed_eval, tmp_path: Path) -> None:
+    ckpt = copy_checkpoint(passed_eval[0], tmp_path / "ckpt")
+    manifest = ckpt / "qserve_manifest.json"
+    manifest.write_text(manifest.read_text().replace('"kv_cache_dtype": "auto"', '"kv_cache_dtype": "fp8"'))
+    proc = run_qserve("serve", ckpt, "--port", str(free_port()))
+    assert proc.returncode == 1
+    assert "the gate result in" in proc.stderr and "was decided for different checkpoint contents" in proc.stderr
+    manifest.write_text("{not json")
+    proc = run_qserve("serve", ckpt, "--port", str(free_port()))
+    assert proc.returncode == 1 and "qserve_manifest.json is corrupt or was edited by hand" in proc.stderr
+    manifest.unlink()
+    proc = run_qserve("serve", ckpt, "--port", str(free_port()))
+    assert proc.returncode == 1 and "has no qserve_manifest.json: not a qserve checkpoint" in proc.stderr
+
+
+@pytest.mark.slow
+def test_serve_refuses_contradicting_pass_through(passed_eval) -> None:
+    proc = run_qserve("serve", passed_eval[0], "--port", str(free_port()), "--", "--kv-cache-dtype", "fp8")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "error: --kv-cache-dtype fp8 contradicts the checkpoint, which needs --kv-cache-dtype auto"
+    )

@@ -28,15 +28,15 @@ def build_modifiers(recipe: Recipe) -> list[Any]:
     return modifiers
 
 
-def quantize(model_path: Path, recipe: Recipe, texts: list[str] | None, out_dir: Path) -> None:
+def quantize(model_path: Path, recipe: Recipe, texts: list[str] | None, out_dir: Path, trust_remote_code: bool = False) -> None:
     """Run oneshot on the model and save the compressed checkpoint (weights + tokenizer) to out_dir."""
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from qserve.calibration import tokenized_dataset
 
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype="auto")
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype="auto", trust_remote_code=trust_remote_code)
     kwargs: dict[str, Any] = {}
     if texts:
         seq_len = recipe.calibration.seq_len if recipe.calibration else 256
