@@ -114,12 +114,17 @@ def test_serve_refuses_ungated_checkpoint(checkpoints, tmp_path: Path) -> None:
     assert proc.stderr.strip().splitlines()[-1] == f"error: {ckpt} has no accuracy gate result; run `qserve eval {ckpt}` first (or pass --skip-gate)"
 
 
+def _serve_edited(src: Path, tmp_path: Path, name: str, old: str, new: str) -> tuple[Path, subprocess.CompletedProcess]:
+    """Copy a gated checkpoint, replace text in one of its files, and try to serve it."""
+    ckpt = copy_checkpoint(src, tmp_path / "ckpt")
+    path = ckpt / name
+    path.write_text(path.read_text().replace(old, new))
+    return ckpt, run_qserve("serve", ckpt, "--port", str(free_port()))
+
+
 @pytest.mark.slow
 def test_serve_refuses_failed_or_stale_gate(passed_eval, tmp_path: Path) -> None:
-    ckpt = copy_checkpoint(passed_eval[0], tmp_path / "ckpt")
-    eval_file = ckpt / "qserve_eval.json"
-    eval_file.write_text(eval_file.read_text().replace('"verdict": "pass"', '"verdict": "fail"'))
-    proc = run_qserve("serve", ckpt, "--port", str(free_port()))
+    _, proc = _serve_edited(passed_eval[0], tmp_path, "qserve_eval.json", '"verdict": "pass"', '"verdict": "fail"')
     assert proc.returncode == 1 and "did not pass its accuracy gate (verdict: fail)" in proc.stderr
 
 
@@ -149,10 +154,8 @@ def test_serve_refuses_occupied_port(passed_eval) -> None:
 
 @pytest.mark.slow
 def test_serve_refuses_tampered_manifest(passed_eval, tmp_path: Path) -> None:
-    ckpt = copy_checkpoint(passed_eval[0], tmp_path / "ckpt")
+    ckpt, proc = _serve_edited(passed_eval[0], tmp_path, "qserve_manifest.json", '"kv_cache_dtype": "auto"', '"kv_cache_dtype": "fp8"')
     manifest = ckpt / "qserve_manifest.json"
-    manifest.write_text(manifest.read_text().replace('"kv_cache_dtype": "auto"', '"kv_cache_dtype": "fp8"'))
-    proc = run_qserve("serve", ckpt, "--port", str(free_port()))
     assert proc.returncode == 1
     assert "the gate result in" in proc.stderr and "was decided for different checkpoint contents" in proc.stderr
     manifest.write_text("{not json")
