@@ -1,6 +1,6 @@
 # Two entry points for a fresh machine: `make demo` and `make test`.
 # uv resolves the CPU stack from uv.lock (torch CPU wheel via [tool.uv] find-links).
-UV ?= $(shell command -v uv 2>/dev/null || echo "$(HOME)/.local/bin/uv")
+UV ?= $(shell command -v uv 2>/dev/null || echo python3 -m uv)
 DATA_DIR ?= $(abspath ../shared/data)
 export QSERVE_DATA_DIR ?= $(DATA_DIR)
 RECIPE ?= recipes/w8a8-int8.yaml
@@ -9,10 +9,8 @@ LIMIT ?= 20
 
 .PHONY: setup demo test test-fast
 
-$(UV):
-	python3 -m pip install --user --quiet uv
-
-setup: $(UV)
+setup:
+	@$(UV) --version >/dev/null 2>&1 || python3 -m pip install --user --quiet uv
 	$(UV) sync --locked --extra cpu
 
 # quantize -> eval (gates) -> serve, on the embedded SmolLM2-135M-Instruct, offline.

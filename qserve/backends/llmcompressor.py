@@ -44,6 +44,8 @@ def quantize(model_path: Path, recipe: Recipe, texts: list[str] | None, out_dir:
             dataset=tokenized_dataset(texts, tokenizer, seq_len),
             num_calibration_samples=len(texts),
             max_seq_length=seq_len,
+            # qserve already drew a seeded sample; keep its order so reruns are reproducible.
+            shuffle_calibration_samples=False,
             # Layer by layer: calibration memory stays bounded by one decoder layer.
             pipeline="sequential",
         )
