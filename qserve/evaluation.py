@@ -102,7 +102,7 @@ def evaluate(
     started = time.monotonic()
     quant_raw, quant_secs = run_lm_eval(ckpt, manifest.vllm_args, device, configs, limit, "the quantized checkpoint")
     base_args = engine.baseline_args(device, manifest.vllm_args.trust_remote_code)
-    base_raw, base_secs = run_lm_eval(baseline.path, base_args, device, configs, limit, f"the baseline {baseline.id}")
+    base_raw, base_secs = run_lm_eval(baseline.path, base_args, device, configs, limit, f"the baseline {manifest.source_model['id']}")
 
     decided = [
         decide(t, _score(base_raw, t), _score(quant_raw, t), thresholds[t.name]) for t in task_defs
@@ -117,7 +117,7 @@ def evaluate(
         "limit": limit,
         "device": asdict(device),
         "engine_args": {"quantized": manifest.vllm_args.model_dump(), "baseline": base_args.model_dump()},
-        "baseline_model": baseline.id,
+        "baseline_model": {"id": manifest.source_model["id"], "path": str(baseline.path)},
         "versions": manifest.versions | {"lm-eval": _version("lm-eval")},
         "timings": {"quantized_eval_seconds": quant_secs, "baseline_eval_seconds": base_secs, "total_seconds": round(time.monotonic() - started, 2)},
     }

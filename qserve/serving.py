@@ -147,21 +147,24 @@ def serve(
     ensure_port_free(host, port)
     # vLLM's logs and access log go to stderr: stdout carries only the endpoint and curl lines.
     proc = subprocess.Popen(p.command, env=p.env, start_new_session=True, stdout=sys.stderr)
-    stop = _forward_signals(proc)
+    server = _StopOnSignal(proc)
     try:
         with step(f"starting vLLM server for {p.model_name} on {p.url}"):
-            _wait_ready(proc, p.url)
+            _wait_ready(proc, p.url, server)
         print(f"serving {p.model_name} at {p.url}/v1", flush=True)
         print(_curl(p, api_key), flush=True)
-        return proc.wait()
+        code = proc.wait()
+        return 0 if server.requested else code  # a stop we asked for is a clean exit
     finally:
-        stop()
+        server.close()
 
 
-def _wait_ready(proc: subprocess.Popen, url: str) -> None:
+def _wait_ready(proc: subprocess.Popen, url: str, server: _StopOnSignal) -> None:
     deadline = time.monotonic() + READY_TIMEOUT
     while time.monotonic() < deadline:
         if proc.poll() is not None:
+            if server.requested:
+                raise KeyboardInterrupt
             raise QserveError(f"vLLM server exited with code {proc.returncode} before it was ready (its log is above)")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
@@ -173,27 +176,30 @@ def _wait_ready(proc: subprocess.Popen, url: str) -> None:
     raise QserveError(f"vLLM server did not become ready within {READY_TIMEOUT:.0f}s")
 
 
-def _forward_signals(proc: subprocess.Popen):
-    """SIGINT/SIGTERM stop the server cleanly; returns a function that restores and reaps."""
+class _StopOnSignal:
+    """SIGINT/SIGTERM ask the vLLM child to stop, once (a second Ctrl-C must not turn a clean
+    shutdown into a kill); close() reaps the child and restores the handlers."""
 
-    def handler(signum, frame):
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        self.requested = False
+        self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
 
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    def _handle(self, signum, frame) -> None:
+        if not self.requested and self.proc.poll() is None:
+            self.requested = True
+            self.proc.send_signal(signal.SIGTERM)
 
-    def stop() -> None:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(timeout=60)
+                self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for s, h in old.items():
-            signal.signal(s, h)
-
-    return stop
+                self.proc.kill()
+                self.proc.wait()
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
 
 
 def _curl(p: ServePlan, api_key: str | None) -> str:
