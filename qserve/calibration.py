@@ -16,7 +16,9 @@ def resolve_path(spec: CalibrationSpec, data_dir: Path) -> Path:
     path = Path(spec.path).expanduser()
     path = path if path.is_absolute() else data_dir / path
     if not path.is_file():
-        raise QserveError(f"calibration data {path} does not exist (relative paths resolve against --data-dir / QSERVE_DATA_DIR, now {data_dir})")
+        raise QserveError(
+            f"calibration data {path} does not exist (relative paths resolve against --data-dir / QSERVE_DATA_DIR, now {data_dir})"
+        )
     return path
 
 
@@ -72,4 +74,6 @@ def _render(template: str, record: dict, path: Path, index: int) -> str:
     try:
         return template.format(**record)
     except KeyError as exc:
-        raise QserveError(f"calibration template {template!r} names field {exc.args[0]!r}, which record {index + 1} of {path} lacks (fields: {', '.join(record)})") from None
+        raise QserveError(
+            f"calibration template {template!r} names field {exc.args[0]!r}, which record {index + 1} of {path} lacks (fields: {', '.join(record)})"
+        ) from None

@@ -8,7 +8,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -24,12 +24,14 @@ app = typer.Typer(
 )
 
 ModelOpt = Annotated[
-    Optional[str],
+    str | None,
     typer.Option("--model", "-m", help="Local HF checkpoint dir or hub id. Default: the embedded SmolLM2-135M-Instruct."),
 ]
 DataDirOpt = Annotated[
-    Optional[Path],
-    typer.Option("--data-dir", help="Root for relative data paths in recipes and evals/. Default: $QSERVE_DATA_DIR or the current dir."),
+    Path | None,
+    typer.Option(
+        "--data-dir", help="Root for relative data paths in recipes and evals/. Default: $QSERVE_DATA_DIR or the current dir."
+    ),
 ]
 
 
@@ -65,10 +67,14 @@ def _user_errors(fn):
 def quantize(
     recipe: Annotated[Path, typer.Argument(help="Recipe YAML, e.g. recipes/w4a16-gptq.yaml.")],
     model: ModelOpt = None,
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Checkpoint directory. Default: out-<recipe name>.")] = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Checkpoint directory. Default: out-<recipe name>.")
+    ] = None,
     data_dir: DataDirOpt = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output directory.")] = False,
-    trust_remote_code: Annotated[bool, typer.Option("--trust-remote-code", help="Run the model repo's own Python code (off by default).")] = False,
+    trust_remote_code: Annotated[
+        bool, typer.Option("--trust-remote-code", help="Run the model repo's own Python code (off by default).")
+    ] = False,
 ) -> None:
     """Quantize a model with a recipe and export a safetensors checkpoint plus qserve_manifest.json."""
     from qserve.quantize import quantize as run
@@ -81,10 +87,20 @@ def quantize(
 @app.command("eval")
 @_user_errors
 def eval_(
-    checkpoint: Annotated[Optional[Path], typer.Argument(help="Checkpoint dir. Default: the last `qserve quantize` output.")] = None,
-    tasks: Annotated[Optional[str], typer.Option("--tasks", "-t", help="Comma-separated tasks from evals/ (gsm8k, gsm8k_ppl). Default: the recipe's gated tasks.")] = None,
-    limit: Annotated[Optional[int], typer.Option("--limit", "-l", min=1, help="Evaluate only the first N items of each task.")] = None,
-    gate: Annotated[Optional[list[str]], typer.Option("--gate", "-g", help="TASK=MIN_RECOVERY, e.g. gsm8k=0.9; repeatable. Overrides the recipe (default 0.95).")] = None,
+    checkpoint: Annotated[Path | None, typer.Argument(help="Checkpoint dir. Default: the last `qserve quantize` output.")] = None,
+    tasks: Annotated[
+        str | None,
+        typer.Option(
+            "--tasks", "-t", help="Comma-separated tasks from evals/ (gsm8k, gsm8k_ppl). Default: the recipe's gated tasks."
+        ),
+    ] = None,
+    limit: Annotated[
+        int | None, typer.Option("--limit", "-l", min=1, help="Evaluate only the first N items of each task.")
+    ] = None,
+    gate: Annotated[
+        list[str] | None,
+        typer.Option("--gate", "-g", help="TASK=MIN_RECOVERY, e.g. gsm8k=0.9; repeatable. Overrides the recipe (default 0.95)."),
+    ] = None,
     data_dir: DataDirOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON instead of a table.")] = False,
 ) -> None:
@@ -105,8 +121,10 @@ def serve(
     checkpoint: Annotated[Path, typer.Argument(help="Checkpoint dir whose accuracy gate passed.")],
     host: Annotated[str, typer.Option(help="Address to bind. Loopback unless you mean otherwise.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8000,
-    skip_gate: Annotated[bool, typer.Option("--skip-gate", help="Serve even without a passing gate (not for production).")] = False,
-    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="QSERVE_API_KEY", help="Require this bearer token.")] = None,
+    skip_gate: Annotated[
+        bool, typer.Option("--skip-gate", help="Serve even without a passing gate (not for production).")
+    ] = False,
+    api_key: Annotated[str | None, typer.Option("--api-key", envvar="QSERVE_API_KEY", help="Require this bearer token.")] = None,
 ) -> None:
     """Start vLLM's OpenAI-compatible server with the checkpoint's quantization, kv_cache_dtype and dtype.
 

@@ -67,7 +67,9 @@ def check_supported(manifest: Manifest, device: Device) -> None:
         raise UnsupportedOnDevice(f"{manifest.scheme} with dtype {dtype} cannot run on this machine ({device.detail}): {reason}")
     group = manifest.recipe.get("group_size")
     if manifest.scheme == "W4A16" and group is not None and group % 2:
-        raise UnsupportedOnDevice(f"{manifest.scheme} with group size {group} cannot run on this machine ({device.detail}): vLLM-CPU's int4 kernel needs an even group size; NVIDIA GPUs (Marlin) need a multiple of 32")
+        raise UnsupportedOnDevice(
+            f"{manifest.scheme} with group size {group} cannot run on this machine ({device.detail}): vLLM-CPU's int4 kernel needs an even group size; NVIDIA GPUs (Marlin) need a multiple of 32"
+        )
 
 
 def baseline_args(device: Device, trust_remote_code: bool = False) -> VllmArgs:
@@ -133,7 +135,9 @@ def open_engine(model_path: Path, args: VllmArgs, device: Device, label: str) ->
     if device.kind == "cpu":
         configure_cpu_env()
     cls = lm_eval_vllm_class()
-    with step(f"starting vLLM for {label} (dtype={args.dtype}, quantization={args.quantization}, kv_cache_dtype={args.kv_cache_dtype})"):
+    with step(
+        f"starting vLLM for {label} (dtype={args.dtype}, quantization={args.quantization}, kv_cache_dtype={args.kv_cache_dtype})"
+    ):
         lm = cls(**engine_kwargs(model_path, args, device))
     try:
         yield lm
@@ -152,9 +156,13 @@ def _shutdown(lm: Any) -> None:
     gc.collect()
 
 
-def greedy_generate(lm: Any, prompts: list[str], max_tokens: int = 32) -> list[str]:
-    """Greedy completions from an engine opened by open_engine."""
+def greedy_completions(lm: Any, prompts: list[str], max_tokens: int = 32) -> list[tuple[str, list[int]]]:
+    """Greedy completions (text and token ids) from an engine opened by open_engine."""
     from vllm import SamplingParams
 
     outputs = lm.model.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
-    return [o.outputs[0].text for o in outputs]
+    return [(o.outputs[0].text, list(o.outputs[0].token_ids)) for o in outputs]
+
+
+def greedy_generate(lm: Any, prompts: list[str], max_tokens: int = 32) -> list[str]:
+    return [text for text, _ in greedy_completions(lm, prompts, max_tokens)]

@@ -7,14 +7,14 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from qserve import engine, paths
 from qserve.errors import QserveError
 from qserve.manifest import EVAL_NAME, Manifest, VllmArgs, manifest_digest, read_manifest, verify_files
-from qserve.models import resolve_model
+from qserve.models import ModelRef, resolve_model
 from qserve.progress import info, step
 from qserve.tasks import TaskDef, get_tasks, lm_eval_config
 
@@ -54,7 +54,9 @@ def decide(task: TaskDef, base: tuple[float, float | None], quant: tuple[float, 
         status, reason = "pass", f"recovery {rec:.3f} >= {threshold:g}"
     else:
         status, reason = "fail", f"recovery {rec:.3f} < {threshold:g}"
-    return Gate(task.name, task.metric, task.higher_is_better, base[0], base[1], quant[0], quant[1], threshold, rec, status, reason)
+    return Gate(
+        task.name, task.metric, task.higher_is_better, base[0], base[1], quant[0], quant[1], threshold, rec, status, reason
+    )
 
 
 def verdict(gates: list[Gate]) -> str:
@@ -97,20 +99,20 @@ def evaluate(
     configs = [lm_eval_config(t, root) for t in task_defs]
     device = engine.detect_device()
     engine.check_supported(manifest, device)
-    baseline = resolve_model(manifest.source_model["id"] if not Path(manifest.source_model["path"]).is_dir() else manifest.source_model["path"])
+    baseline = baseline_model(manifest)
 
     started = time.monotonic()
     quant_raw, quant_secs = run_lm_eval(ckpt, manifest.vllm_args, device, configs, limit, "the quantized checkpoint")
     base_args = engine.baseline_args(device, manifest.vllm_args.trust_remote_code)
-    base_raw, base_secs = run_lm_eval(baseline.path, base_args, device, configs, limit, f"the baseline {manifest.source_model['id']}")
+    base_raw, base_secs = run_lm_eval(
+        baseline.path, base_args, device, configs, limit, f"the baseline {manifest.source_model['id']}"
+    )
 
-    decided = [
-        decide(t, _score(base_raw, t), _score(quant_raw, t), thresholds[t.name]) for t in task_defs
-    ]
+    decided = [decide(t, _score(base_raw, t), _score(quant_raw, t), thresholds[t.name]) for t in task_defs]
     summary = {
         "checkpoint": str(ckpt.resolve()),
         "manifest_sha256": manifest_digest(ckpt),
-        "decided_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "decided_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "verdict": verdict(decided),
         "gates": [asdict(g) for g in decided],
         "tasks": task_names,
@@ -119,19 +121,33 @@ def evaluate(
         "engine_args": {"quantized": manifest.vllm_args.model_dump(), "baseline": base_args.model_dump()},
         "baseline_model": {"id": manifest.source_model["id"], "path": str(baseline.path)},
         "versions": manifest.versions | {"lm-eval": _version("lm-eval")},
-        "timings": {"quantized_eval_seconds": quant_secs, "baseline_eval_seconds": base_secs, "total_seconds": round(time.monotonic() - started, 2)},
+        "timings": {
+            "quantized_eval_seconds": quant_secs,
+            "baseline_eval_seconds": base_secs,
+            "total_seconds": round(time.monotonic() - started, 2),
+        },
     }
     _write_json(ckpt / LM_EVAL_RESULTS_NAME, {"quantized": quant_raw, "baseline": base_raw})
     _write_json(ckpt / EVAL_NAME, summary)
     return summary
 
 
-def run_lm_eval(model_path: Path, args: VllmArgs, device: engine.Device, configs: list[dict], limit: int | None, label: str) -> tuple[dict, float]:
+def baseline_model(manifest: Manifest) -> ModelRef:
+    """The checkpoint's source model: where it was quantized from, else resolved again by id."""
+    src = manifest.source_model
+    return resolve_model(src["path"] if Path(src["path"]).is_dir() else src["id"])
+
+
+def run_lm_eval(
+    model_path: Path, args: VllmArgs, device: engine.Device, configs: list[dict], limit: int | None, label: str
+) -> tuple[dict, float]:
     """All tasks through one vLLM engine; returns lm-eval's results (without per-sample logs)."""
     import lm_eval
 
     with engine.open_engine(model_path, args, device, label) as lm:
-        with step(f"lm-eval on {label}: {', '.join(c['task'] for c in configs)}" + (f" (limit {limit})" if limit else "")) as timing:
+        with step(
+            f"lm-eval on {label}: {', '.join(c['task'] for c in configs)}" + (f" (limit {limit})" if limit else "")
+        ) as timing:
             out = lm_eval.simple_evaluate(model=lm, tasks=configs, limit=limit, log_samples=False, bootstrap_iters=1000)
     return _jsonable({k: out[k] for k in ("results", "n-samples", "configs", "versions") if k in out}), timing["seconds"]
 
@@ -139,7 +155,9 @@ def run_lm_eval(model_path: Path, args: VllmArgs, device: engine.Device, configs
 def _score(raw: dict, task: TaskDef) -> tuple[float, float | None]:
     res = raw["results"].get(task.name, {})
     if task.metric not in res:
-        raise QserveError(f"lm-eval returned no {task.metric!r} for {task.name}; it reported {', '.join(k for k in res if k != 'alias')}")
+        raise QserveError(
+            f"lm-eval returned no {task.metric!r} for {task.name}; it reported {', '.join(k for k in res if k != 'alias')}"
+        )
     metric, _, filt = task.metric.partition(",")
     stderr = res.get(f"{metric}_stderr,{filt}")
     return float(res[task.metric]), float(stderr) if isinstance(stderr, (int, float)) else None

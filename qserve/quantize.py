@@ -8,7 +8,7 @@ import shutil
 import signal
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from qserve import paths
@@ -73,7 +73,9 @@ def quantize(
     return QuantizeResult(out, manifest)
 
 
-def _run(ref: ModelRef, recipe: Recipe, recipe_path, recipe_sha: str, texts, calib_record, partial: Path, trust_remote_code: bool) -> Manifest:
+def _run(
+    ref: ModelRef, recipe: Recipe, recipe_path, recipe_sha: str, texts, calib_record, partial: Path, trust_remote_code: bool
+) -> Manifest:
     from qserve.backends import llmcompressor as backend
 
     start = time.monotonic()
@@ -85,25 +87,25 @@ def _run(ref: ModelRef, recipe: Recipe, recipe_path, recipe_sha: str, texts, cal
         files = hash_files(partial)
     scheme = SCHEMES[recipe.scheme]
     manifest = Manifest(
-            created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            scheme=recipe.scheme,
-            recipe=recipe.model_dump(),
-            recipe_source={"path": str(Path(recipe_path).resolve()), "sha256": recipe_sha},
-            source_model={"id": ref.id, "path": str(ref.path), "source": ref.source},
-            calibration=calib_record,
-            versions=library_versions(),
-            vllm_args=VllmArgs(
-                quantization=backend.QUANTIZATION_METHOD,
-                kv_cache_dtype="auto",
-                dtype=recipe.dtype or scheme.vllm_dtype,
-                trust_remote_code=trust_remote_code,
-            ),
-            timings={
-                "quantize_seconds": timing["seconds"],
-                "total_seconds": round(time.monotonic() - start, 2),
-                "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-            },
-            files=files,
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        scheme=recipe.scheme,
+        recipe=recipe.model_dump(),
+        recipe_source={"path": str(Path(recipe_path).resolve()), "sha256": recipe_sha},
+        source_model={"id": ref.id, "path": str(ref.path), "source": ref.source},
+        calibration=calib_record,
+        versions=library_versions(),
+        vllm_args=VllmArgs(
+            quantization=backend.QUANTIZATION_METHOD,
+            kv_cache_dtype="auto",
+            dtype=recipe.dtype or scheme.vllm_dtype,
+            trust_remote_code=trust_remote_code,
+        ),
+        timings={
+            "quantize_seconds": timing["seconds"],
+            "total_seconds": round(time.monotonic() - start, 2),
+            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        },
+        files=files,
     )
     write_manifest(partial, manifest)
     return manifest

@@ -84,7 +84,9 @@ class Recipe(_Strict):
             raise ValueError(f"group_size does not apply to {self.scheme} (per-channel weights)")
         needs_data = self.algorithm == "gptq" or self.smoothquant is not None
         if needs_data and self.calibration is None:
-            raise ValueError(f"algorithm {self.algorithm!r}{' with smoothquant' if self.smoothquant else ''} needs a calibration section")
+            raise ValueError(
+                f"algorithm {self.algorithm!r}{' with smoothquant' if self.smoothquant else ''} needs a calibration section"
+            )
         return self
 
 

@@ -36,9 +36,13 @@ def check_gate(ckpt: Path) -> str:
     if result is None:
         raise QserveError(f"{ckpt} has no accuracy gate result; run `qserve eval {ckpt}` first (or pass --skip-gate)")
     if result.get("manifest_sha256") != manifest_digest(ckpt):
-        raise QserveError(f"the gate result in {ckpt} was decided for different checkpoint contents; run `qserve eval {ckpt}` again")
+        raise QserveError(
+            f"the gate result in {ckpt} was decided for different checkpoint contents; run `qserve eval {ckpt}` again"
+        )
     if result.get("verdict") != "pass":
-        raise QserveError(f"{ckpt} did not pass its accuracy gate (verdict: {result.get('verdict')}); see `qserve eval {ckpt}` (or pass --skip-gate)")
+        raise QserveError(
+            f"{ckpt} did not pass its accuracy gate (verdict: {result.get('verdict')}); see `qserve eval {ckpt}` (or pass --skip-gate)"
+        )
     return str(result.get("decided_at"))
 
 

@@ -48,7 +48,9 @@ def lm_eval_config(task: TaskDef, data_dir: Path) -> dict[str, Any]:
     for split, rel in task.data_files.items():
         path = (data_dir / rel).resolve()
         if not path.is_file():
-            raise QserveError(f"task {task.name} needs {path}, which does not exist (set --data-dir / QSERVE_DATA_DIR; now {data_dir})")
+            raise QserveError(
+                f"task {task.name} needs {path}, which does not exist (set --data-dir / QSERVE_DATA_DIR; now {data_dir})"
+            )
         files[split] = str(path)
     cfg = _base_config(task.lm_eval_task) if task.lm_eval_task else {}
     cfg.update(task.config)

@@ -28,7 +28,9 @@ def qserve_env() -> None:
     os.environ["QSERVE_CACHE_DIR"] = str(CACHE_DIR)
 
 
-def run_qserve(*args: str, env: dict | None = None, timeout: float = 1800, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def run_qserve(
+    *args: str, env: dict | None = None, timeout: float = 1800, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
     """Run the real CLI in a subprocess, as a user would."""
     return subprocess.run(
         [*QSERVE, *map(str, args)],

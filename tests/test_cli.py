@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import run_qserve
 
 HEAVY = ("torch", "vllm", "llmcompressor", "lm_eval", "transformers", "quark")

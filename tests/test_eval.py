@@ -6,9 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import EVAL_LIMIT, copy_checkpoint, run_qserve
+
 from qserve.manifest import EVAL_NAME
+
 
 @pytest.mark.slow
 def test_eval_writes_results_and_passes(passed_eval) -> None:
@@ -29,7 +30,12 @@ def test_eval_writes_results_and_passes(passed_eval) -> None:
         assert gsm["status"] == "inconclusive" and gsm["recovery"] is None
     else:
         assert gsm["status"] in ("pass", "fail")
-    assert summary["engine_args"]["quantized"] == {"quantization": "compressed-tensors", "kv_cache_dtype": "auto", "dtype": "bfloat16", "trust_remote_code": False}
+    assert summary["engine_args"]["quantized"] == {
+        "quantization": "compressed-tensors",
+        "kv_cache_dtype": "auto",
+        "dtype": "bfloat16",
+        "trust_remote_code": False,
+    }
     assert summary["engine_args"]["baseline"]["dtype"] == "float32"
 
 
@@ -44,7 +50,9 @@ def test_eval_gate_fails_and_exits_nonzero(checkpoints, tmp_path: Path) -> None:
     gate = summary["gates"][0]
     assert summary["verdict"] == "fail" and gate["status"] == "fail" and gate["recovery"] < 0.95
     # ... and the same numbers pass a gate set below them: the decision follows the threshold.
-    proc = run_qserve("eval", ckpt, "--tasks", "gsm8k_ppl", "--limit", str(EVAL_LIMIT), "--gate", f"gsm8k_ppl={gate['recovery'] * 0.9:.3f}")
+    proc = run_qserve(
+        "eval", ckpt, "--tasks", "gsm8k_ppl", "--limit", str(EVAL_LIMIT), "--gate", f"gsm8k_ppl={gate['recovery'] * 0.9:.3f}"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((ckpt / EVAL_NAME).read_text())["gates"][0]["recovery"] == pytest.approx(gate["recovery"])
 

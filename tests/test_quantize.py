@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import QSERVE, REPO, run_qserve
+
 from qserve.errors import QserveError
 from qserve.manifest import MANIFEST_NAME, read_manifest, sha256_file
 from qserve.quantize import check_shapes
@@ -84,7 +84,12 @@ def test_existing_output_is_refused_without_force(checkpoints) -> None:
 @pytest.mark.slow
 def test_interrupted_quantize_leaves_nothing(tmp_path: Path, embedded_model_dir: Path) -> None:
     out = tmp_path / "out"
-    proc = subprocess.Popen([*QSERVE, "quantize", REPO / "recipes" / "w4a16-gptq.yaml", "--output", out], stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+    proc = subprocess.Popen(
+        [*QSERVE, "quantize", REPO / "recipes" / "w4a16-gptq.yaml", "--output", out],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=os.environ.copy(),
+    )
     for line in proc.stderr:  # interrupt once calibration has started
         if line.startswith("> quantizing"):
             break

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, run_qserve
+
 from qserve.errors import QserveError
 from qserve.recipe import load_recipe, parse_recipe
 
@@ -70,7 +70,9 @@ def test_cli_bad_recipe_is_one_line_and_nonzero(tmp_path: Path) -> None:
     bad.write_text("name: t\nscheme: NOPE\nalgorithm: rtn\n")
     proc = run_qserve("quantize", bad, "--output", tmp_path / "out")
     assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines() == [f"error: {bad}:2: scheme: unknown scheme 'NOPE'; choose one of: FP8_DYNAMIC, W8A8, W4A16"]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {bad}:2: scheme: unknown scheme 'NOPE'; choose one of: FP8_DYNAMIC, W8A8, W4A16"
+    ]
     assert not (tmp_path / "out").exists()
 
 

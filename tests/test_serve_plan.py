@@ -55,7 +55,9 @@ def test_scale_out_flags_pass_through_on_gpu(tmp_path: Path) -> None:
 
 
 def test_user_overrides_qserve_defaults_once(tmp_path: Path) -> None:
-    p = plan(tmp_path / "ck", manifest(), CPU, "127.0.0.1", 8000, extra_args=["--max-model-len", "4096", "--served-model-name", "m"])
+    p = plan(
+        tmp_path / "ck", manifest(), CPU, "127.0.0.1", 8000, extra_args=["--max-model-len", "4096", "--served-model-name", "m"]
+    )
     assert p.command.count("--max-model-len") == 1 and flags(p.command)["--max-model-len"] == "4096"
     assert p.model_name == "m"
 
@@ -68,7 +70,10 @@ def test_agreeing_matched_flag_is_accepted_once(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "extra,message",
     [
-        (["--quantization", "awq"], "--quantization awq contradicts the checkpoint, which needs --quantization compressed-tensors"),
+        (
+            ["--quantization", "awq"],
+            "--quantization awq contradicts the checkpoint, which needs --quantization compressed-tensors",
+        ),
         (["-q", "fp8"], "-q fp8 contradicts the checkpoint, which needs -q compressed-tensors"),
         (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 contradicts the checkpoint, which needs --kv-cache-dtype auto"),
         (["--dtype", "float16"], "--dtype float16 contradicts the checkpoint, which needs --dtype bfloat16"),
