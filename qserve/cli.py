@@ -35,9 +35,14 @@ DataDirOpt = Annotated[
 ]
 
 
+def _vllm_logs_to_stderr() -> None:
+    """vLLM logs to stdout by default; qserve keeps stdout for results (children inherit this)."""
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+
+
 def _results_only_on_stdout():
     """Libraries log to stdout (vLLM by default); send all of it to stderr while a command works."""
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # also for `vllm serve` children
+    _vllm_logs_to_stderr()
     return contextlib.redirect_stdout(sys.stderr)
 
 
@@ -133,7 +138,7 @@ def serve(
     """
     from qserve.serving import serve as run
 
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout: the endpoint and curl only
+    _vllm_logs_to_stderr()  # stdout: the endpoint and curl lines only
     raise typer.Exit(run(checkpoint, host=host, port=port, skip_gate=skip_gate, api_key=api_key, extra_args=list(ctx.args)))
 
 
