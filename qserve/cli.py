@@ -17,7 +17,8 @@ from qserve.errors import EXIT_ERROR, EXIT_GATE_FAILED, EXIT_GATE_INCONCLUSIVE, 
 app = typer.Typer(
     name="qserve",
     help="Quantize an LLM, gate its accuracy with lm-eval, and serve it on vLLM with matched arguments.\n\n"
-    "Typical flow: `qserve quantize recipes/w4a16-gptq.yaml` -> `qserve eval` -> `qserve serve out-w4a16-gptq`.",
+    "Typical flow: `qserve quantize recipes/w8a8-int8.yaml` -> `qserve eval` -> `qserve serve out-w8a8-int8`.\n\n"
+    "Also: `qserve inspect CKPT`, `qserve compare recipes/*.yaml`, `qserve bench CKPT` (or `--suite`).",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
@@ -104,16 +105,45 @@ def eval_(
     ] = None,
     gate: Annotated[
         list[str] | None,
-        typer.Option("--gate", "-g", help="TASK=MIN_RECOVERY, e.g. gsm8k=0.9; repeatable. Overrides the recipe (default 0.95)."),
+        typer.Option(
+            "--gate",
+            "-g",
+            help="TASK[@METRIC][:CRITERION]=VALUE, repeatable; CRITERION is min_recovery (default), max_drop or "
+            "max_increase (perplexity, relative). E.g. gsm8k=0.9, gsm8k_ppl:max_increase=0.05. Replaces the recipe's gates "
+            "for that task (default: min_recovery 0.95).",
+        ),
     ] = None,
     data_dir: DataDirOpt = None,
+    refresh_baseline: Annotated[
+        bool, typer.Option("--refresh-baseline", help="Re-run the baseline even if its scores are cached.")
+    ] = False,
+    parity: Annotated[
+        bool,
+        typer.Option(
+            "--parity/--no-parity", help="Check that vLLM matches transformers on this checkpoint (greedy tokens, logprobs)."
+        ),
+    ] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON instead of a table.")] = False,
 ) -> None:
-    """Run lm-eval on the checkpoint and its baseline in vLLM; exit 3 if a gate fails, 4 if none could decide."""
-    from qserve.evaluation import evaluate, format_table
+    """Run lm-eval on the checkpoint and its baseline in vLLM, check engine parity, apply the gates.
+
+    Writes qserve_eval.json, qserve_eval.md, lm_eval_results.json and a model card (README.md) into the
+    checkpoint. Exit 3 if a gate or the parity check fails, 4 if no gate could decide (too few items).
+    """
+    from qserve.evaluation import evaluate
+    from qserve.gates import parse_cli_gates
+    from qserve.reports import format_table
 
     with _results_only_on_stdout():
-        summary = evaluate(checkpoint, tasks=_split(tasks), limit=limit, gates=_parse_gates(gate), data_dir=data_dir)
+        summary = evaluate(
+            checkpoint,
+            tasks=_split(tasks),
+            limit=limit,
+            gates=parse_cli_gates(gate or []),
+            data_dir=data_dir,
+            refresh_baseline=refresh_baseline,
+            check_parity=parity,
+        )
     typer.echo(json.dumps(summary, indent=2) if as_json else format_table(summary))
     code = {"pass": 0, "fail": EXIT_GATE_FAILED}.get(summary["verdict"], EXIT_GATE_INCONCLUSIVE)
     raise typer.Exit(code)
@@ -142,21 +172,86 @@ def serve(
     raise typer.Exit(run(checkpoint, host=host, port=port, skip_gate=skip_gate, api_key=api_key, extra_args=list(ctx.args)))
 
 
+@app.command()
+@_user_errors
+def inspect(
+    checkpoint: Annotated[Path, typer.Argument(help="Checkpoint dir written by `qserve quantize`.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")] = False,
+) -> None:
+    """Show a checkpoint's scheme, size against its baseline, vLLM arguments, integrity and gate status."""
+    from qserve.inspection import format_inspection, inspect_checkpoint
+
+    info = inspect_checkpoint(checkpoint)
+    typer.echo(json.dumps(info, indent=2) if as_json else format_inspection(info))
+
+
+@app.command()
+@_user_errors
+def compare(
+    recipes: Annotated[list[Path], typer.Argument(help="Two or more recipe YAMLs, e.g. recipes/*.yaml.")],
+    model: ModelOpt = None,
+    tasks: Annotated[
+        str | None, typer.Option("--tasks", "-t", help="Comma-separated tasks (default: each recipe's gated tasks).")
+    ] = None,
+    limit: Annotated[int | None, typer.Option("--limit", "-l", min=1, help="Items per task.")] = None,
+    out_dir: Annotated[Path, typer.Option("--out-dir", "-o", help="Where checkpoints, compare.json and compare.png go.")] = Path(
+        "compare"
+    ),
+    data_dir: DataDirOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of the table.")] = False,
+) -> None:
+    """Quantize with each recipe (reusing finished checkpoints), gate each against the shared cached
+    baseline, measure size and vLLM decode speed, and print one table plus a PNG plot."""
+    from qserve.compare import compare as run
+    from qserve.compare import format_compare
+
+    with _results_only_on_stdout():
+        result = run(recipes, model=model, tasks=_split(tasks), limit=limit, data_dir=data_dir, out_dir=out_dir)
+    typer.echo(json.dumps(result, indent=2) if as_json else format_compare(result))
+
+
+@app.command()
+@_user_errors
+def bench(
+    checkpoint: Annotated[
+        Path | None, typer.Argument(help="Checkpoint to serve and load-test (not needed with --suite).")
+    ] = None,
+    suite: Annotated[
+        bool, typer.Option("--suite", help="Run the benchmark suite: qserve's own costs as ratios against the raw libraries.")
+    ] = False,
+    num_prompts: Annotated[int, typer.Option(min=1, help="Requests in the synthetic load.")] = 32,
+    input_len: Annotated[int, typer.Option(min=1, help="Prompt tokens per request (random).")] = 128,
+    output_len: Annotated[int, typer.Option(min=1, help="Output tokens per request (EOS ignored).")] = 64,
+    concurrency: Annotated[int, typer.Option(min=1, help="Requests in flight at once.")] = 4,
+    work_dir: Annotated[Path, typer.Option(help="Scratch dir for --suite checkpoints and bench_suite.json.")] = Path(
+        "bench-suite"
+    ),
+    data_dir: DataDirOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")] = False,
+) -> None:
+    """Throughput and latency (TTFT, TPOT) of a served checkpoint under vLLM's own benchmark load;
+    with --suite, what qserve costs against the raw libraries (ratios measured in one run)."""
+    _vllm_logs_to_stderr()
+    if suite:
+        from qserve.bench_suite import format_suite, run_suite
+        from qserve.paths import project_data
+
+        with _results_only_on_stdout():
+            result = run_suite(project_data("recipes"), work_dir, data_dir)
+        typer.echo(json.dumps(result, indent=2) if as_json else format_suite(result))
+        return
+    if checkpoint is None:
+        raise QserveError("pass CHECKPOINT to benchmark, or --suite")
+    from qserve.bench import Load, format_bench
+    from qserve.bench import bench as run
+
+    with _results_only_on_stdout():
+        result = run(checkpoint, Load(num_prompts, input_len, output_len, concurrency))
+    typer.echo(json.dumps(result, indent=2) if as_json else format_bench(result))
+
+
 def _split(value: str | None) -> list[str] | None:
     return [v.strip() for v in value.split(",") if v.strip()] if value else None
-
-
-def _parse_gates(values: list[str] | None) -> dict[str, float]:
-    gates = {}
-    for item in values or []:
-        task, sep, threshold = item.partition("=")
-        try:
-            gates[task.strip()] = float(threshold)
-        except ValueError:
-            sep = ""
-        if not sep or not task.strip():
-            raise QserveError(f"--gate {item!r}: expected TASK=MIN_RECOVERY, e.g. gsm8k=0.9")
-    return gates
 
 
 def main() -> None:

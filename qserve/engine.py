@@ -130,15 +130,20 @@ def lm_eval_vllm_class() -> type:
 
 
 @contextmanager
-def open_engine(model_path: Path, args: VllmArgs, device: Device, label: str) -> Iterator[Any]:
-    """Start one vLLM engine (wrapped as an lm-eval LM) and shut it down afterwards."""
+def open_engine(
+    model_path: Path, args: VllmArgs, device: Device, label: str, overrides: dict[str, Any] | None = None
+) -> Iterator[Any]:
+    """Start one vLLM engine (wrapped as an lm-eval LM) and shut it down afterwards.
+
+    `overrides` are extra vllm.LLM keyword arguments (e.g. hf_overrides), applied last.
+    """
     if device.kind == "cpu":
         configure_cpu_env()
     cls = lm_eval_vllm_class()
     with step(
         f"starting vLLM for {label} (dtype={args.dtype}, quantization={args.quantization}, kv_cache_dtype={args.kv_cache_dtype})"
     ):
-        lm = cls(**engine_kwargs(model_path, args, device))
+        lm = cls(**(engine_kwargs(model_path, args, device) | (overrides or {})))
     try:
         yield lm
     finally:
@@ -166,3 +171,19 @@ def greedy_completions(lm: Any, prompts: list[str], max_tokens: int = 32) -> lis
 
 def greedy_generate(lm: Any, prompts: list[str], max_tokens: int = 32) -> list[str]:
     return [text for text, _ in greedy_completions(lm, prompts, max_tokens)]
+
+
+def decode_throughput(lm: Any, prompts: int = 16, max_tokens: int = 128) -> dict[str, float]:
+    """Offline batch decode speed on an open engine: output tokens per second over a fixed batch."""
+    import time
+
+    from vllm import SamplingParams
+
+    batch = [f"Write a long story about the number {i}." for i in range(prompts)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    lm.model.generate(batch[:2], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = lm.model.generate(batch, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"output_tokens": tokens, "seconds": round(seconds, 3), "tokens_per_second": round(tokens / seconds, 2)}

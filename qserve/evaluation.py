@@ -3,68 +3,22 @@
 from __future__ import annotations
 
 import json
-import math
-import os
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from qserve import engine, paths
+from qserve import baselines, engine, parity, paths, reports, stats
 from qserve.errors import QserveError
+from qserve.gates import DEFAULT_MIN_RECOVERY, Gate, GateSpec, decide, normalize, verdict
 from qserve.manifest import EVAL_NAME, Manifest, VllmArgs, manifest_digest, read_manifest, verify_files
 from qserve.models import ModelRef, resolve_model
 from qserve.progress import info, step
+from qserve.schemes import SCHEMES
+from qserve.stats import ItemValues
 from qserve.tasks import TaskDef, get_tasks, lm_eval_config
-
-DEFAULT_GATE = 0.95
-LM_EVAL_RESULTS_NAME = "lm_eval_results.json"
-
-
-@dataclass
-class Gate:
-    task: str
-    metric: str
-    higher_is_better: bool
-    baseline: float
-    baseline_stderr: float | None
-    quantized: float
-    quantized_stderr: float | None
-    threshold: float  # minimum recovery
-    recovery: float | None
-    status: str  # "pass", "fail" or "inconclusive"
-    reason: str
-
-
-def recovery(baseline: float, quantized: float, higher_is_better: bool) -> float | None:
-    """quantized/baseline for scores, baseline/quantized for losses; None when undefined."""
-    num, den = (quantized, baseline) if higher_is_better else (baseline, quantized)
-    if den == 0 or not (math.isfinite(num) and math.isfinite(den)):
-        return None
-    return num / den
-
-
-def decide(task: TaskDef, base: tuple[float, float | None], quant: tuple[float, float | None], threshold: float) -> Gate:
-    rec = recovery(base[0], quant[0], task.higher_is_better)
-    if rec is None:
-        status = "inconclusive"
-        reason = f"baseline {task.metric} is {base[0]:g}: recovery is undefined, this gate says nothing"
-    elif rec >= threshold:
-        status, reason = "pass", f"recovery {rec:.3f} >= {threshold:g}"
-    else:
-        status, reason = "fail", f"recovery {rec:.3f} < {threshold:g}"
-    return Gate(
-        task.name, task.metric, task.higher_is_better, base[0], base[1], quant[0], quant[1], threshold, rec, status, reason
-    )
-
-
-def verdict(gates: list[Gate]) -> str:
-    """fail if any gate fails; pass if at least one passes and none fails; else inconclusive."""
-    statuses = {g.status for g in gates}
-    if "fail" in statuses:
-        return "fail"
-    return "pass" if "pass" in statuses else "inconclusive"
 
 
 def resolve_checkpoint(checkpoint: str | Path | None) -> Path:
@@ -81,55 +35,137 @@ def resolve_checkpoint(checkpoint: str | Path | None) -> Path:
     return last
 
 
+@dataclass
+class EngineRun:
+    """One engine's lm-eval output: results without per-sample logs, per-item values, timing."""
+
+    raw: dict[str, Any]
+    items: dict[str, dict[str, ItemValues]] = field(default_factory=dict)  # task -> metric -> items
+    seconds: float = 0.0
+    extra: Any = None
+
+
 def evaluate(
     checkpoint: str | Path | None = None,
     tasks: list[str] | None = None,
     limit: int | None = None,
-    gates: dict[str, float] | None = None,
+    gates: dict[str, list[GateSpec]] | None = None,
     data_dir: str | Path | None = None,
+    refresh_baseline: bool = False,
+    check_parity: bool = True,
+    measure_decode: bool = False,
 ) -> dict[str, Any]:
-    """Evaluate a checkpoint and its baseline, apply the gates, write results into the checkpoint."""
+    """Evaluate a checkpoint against its (cached) baseline, apply the gates, write the reports."""
     ckpt = resolve_checkpoint(checkpoint)
     manifest = read_manifest(ckpt)
     verify_files(ckpt, manifest)
-    task_names = tasks or list(manifest.recipe.get("gates") or {}) or ["gsm8k"]
-    task_defs = get_tasks(task_names)
-    thresholds = {t: (gates or {}).get(t, manifest.recipe.get("gates", {}).get(t, DEFAULT_GATE)) for t in task_names}
+    recipe_gates = {t: normalize(v) for t, v in (manifest.recipe.get("gates") or {}).items()}
+    task_defs = get_tasks(tasks or list(recipe_gates) or ["gsm8k"])
+    specs = {
+        t.name: (gates or {}).get(t.name) or recipe_gates.get(t.name) or [GateSpec(min_recovery=DEFAULT_MIN_RECOVERY)]
+        for t in task_defs
+    }
     root = paths.data_dir(data_dir)
-    configs = [lm_eval_config(t, root) for t in task_defs]
+    configs = {t.name: lm_eval_config(t, root) for t in task_defs}
     device = engine.detect_device()
     engine.check_supported(manifest, device)
     baseline = baseline_model(manifest)
+    base_args = engine.baseline_args(device, manifest.vllm_args.trust_remote_code)
 
     started = time.monotonic()
-    quant_raw, quant_secs = run_lm_eval(ckpt, manifest.vllm_args, device, configs, limit, "the quantized checkpoint")
-    base_args = engine.baseline_args(device, manifest.vllm_args.trust_remote_code)
-    base_raw, base_secs = run_lm_eval(
-        baseline.path, base_args, device, configs, limit, f"the baseline {manifest.source_model['id']}"
-    )
+    with step("hashing the baseline model for the baseline cache"):
+        model_hash = baselines.model_digest(baseline.path)
+    base_kwargs = engine.engine_kwargs(baseline.path, base_args, device)
+    keys = {n: baselines.task_key(model_hash, cfg, limit, base_kwargs, device.kind) for n, cfg in configs.items()}
+    cached = {} if refresh_baseline else {n: e for n, k in keys.items() if (e := baselines.lookup(k))}
 
-    decided = [decide(t, _score(base_raw, t), _score(quant_raw, t), thresholds[t.name]) for t in task_defs]
+    def on_engine(lm: Any) -> dict[str, Any]:
+        """Work that shares the quantized engine lm-eval used: parity prompts, decode speed."""
+        return {
+            "generations": parity.vllm_generations(lm) if check_parity else None,
+            "decode": engine.decode_throughput(lm) if measure_decode else None,
+        }
+
+    quant = run_lm_eval(ckpt, manifest.vllm_args, device, list(configs.values()), limit, "the quantized checkpoint", on_engine)
+    gens = quant.extra["generations"]
+    parity_result = _parity(ckpt, manifest, gens) if check_parity else {"status": "skipped", "reason": "--no-parity"}
+    base = _baseline_run(baseline, base_args, device, configs, limit, keys, cached)
+
+    decided = [_decide(t, spec, base, quant) for t in task_defs for spec in specs[t.name]]
+    final = verdict(decided)
+    if parity_result["status"] == "fail":
+        final = "fail"
     summary = {
         "checkpoint": str(ckpt.resolve()),
         "manifest_sha256": manifest_digest(ckpt),
         "decided_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "verdict": verdict(decided),
+        "verdict": final,
         "gates": [asdict(g) for g in decided],
-        "tasks": task_names,
+        "parity": parity_result,
+        "emulated": False,  # scores come from vLLM itself
+        "decode": quant.extra["decode"],
+        "scheme": manifest.scheme,
+        "recipe": manifest.recipe.get("name"),
+        "tasks": [t.name for t in task_defs],
         "limit": limit,
+        "n_samples": {n: (quant.raw.get("n-samples") or {}).get(n) for n in configs},
         "device": asdict(device),
         "engine_args": {"quantized": manifest.vllm_args.model_dump(), "baseline": base_args.model_dump()},
-        "baseline_model": {"id": manifest.source_model["id"], "path": str(baseline.path)},
+        "baseline_model": {"id": manifest.source_model["id"], "path": str(baseline.path), "sha256": model_hash},
+        "baseline_cache": {"hits": sorted(cached), "misses": sorted(set(configs) - set(cached)), "refresh": refresh_baseline},
         "versions": manifest.versions | {"lm-eval": _version("lm-eval")},
         "timings": {
-            "quantized_eval_seconds": quant_secs,
-            "baseline_eval_seconds": base_secs,
+            "quantized_eval_seconds": quant.seconds,
+            "baseline_eval_seconds": base.seconds,
             "total_seconds": round(time.monotonic() - started, 2),
         },
     }
-    _write_json(ckpt / LM_EVAL_RESULTS_NAME, {"quantized": quant_raw, "baseline": base_raw})
-    _write_json(ckpt / EVAL_NAME, summary)
+    reports.write_all(ckpt, manifest, summary, {"quantized": quant.raw, "baseline": base.raw})
     return summary
+
+
+def _parity(ckpt: Path, manifest: Manifest, generations: list) -> dict[str, Any]:
+    tolerance = parity.tolerance_for(SCHEMES[manifest.scheme].activations)
+    with step("engine parity: transformers teacher-forced on vLLM's greedy tokens") as timing:
+        result = parity.compare_with_transformers(ckpt, generations, tolerance, manifest.vllm_args.trust_remote_code)
+    result["seconds"] = timing["seconds"]
+    if result["status"] == "fail":
+        info(f"ENGINE PARITY FAILED: vLLM and transformers disagree on this checkpoint ({result['reason']})")
+    return result
+
+
+def _baseline_run(
+    baseline: ModelRef, args: VllmArgs, device: engine.Device, configs: dict, limit: int | None, keys: dict, cached: dict
+) -> EngineRun:
+    """Cached tasks from the cache; the rest through one baseline engine, then stored."""
+    for name in cached:
+        info(f"baseline for {name}: cached ({baselines.entry_path(keys[name]).name})")
+    missing = [n for n in configs if n not in cached]
+    run = EngineRun(raw={})
+    if missing:
+        run = run_lm_eval(baseline.path, args, device, [configs[n] for n in missing], limit, f"the baseline {baseline.id}")
+        for name in missing:
+            baselines.store(keys[name], _task_slice(run.raw, name), run.items.get(name, {}))
+    for name, entry in cached.items():
+        for section, values in entry["result"].items():
+            run.raw.setdefault(section, {})[name] = values
+        run.items[name] = entry["items"]
+    return run
+
+
+def _task_slice(raw: dict, task: str) -> dict:
+    return {section: values[task] for section, values in raw.items() if isinstance(values, dict) and task in values}
+
+
+def _decide(task: TaskDef, spec: GateSpec, base: EngineRun, quant: EngineRun) -> Gate:
+    metric = spec.metric or task.metric
+    hib = task.higher_is_better if metric == task.metric else _higher_is_better(quant.raw, task.name, metric)
+    cmp = stats.compare(metric, hib, _score(base, task.name, metric), _score(quant, task.name, metric))
+    return decide(task.name, spec, cmp)
+
+
+def _higher_is_better(raw: dict, task: str, metric: str) -> bool:
+    return bool((raw.get("higher_is_better") or {}).get(task, {}).get(metric.partition(",")[0], True))
 
 
 def baseline_model(manifest: Manifest) -> ModelRef:
@@ -139,38 +175,44 @@ def baseline_model(manifest: Manifest) -> ModelRef:
 
 
 def run_lm_eval(
-    model_path: Path, args: VllmArgs, device: engine.Device, configs: list[dict], limit: int | None, label: str
-) -> tuple[dict, float]:
-    """All tasks through one vLLM engine; returns lm-eval's results (without per-sample logs)."""
+    model_path: Path,
+    args: VllmArgs,
+    device: engine.Device,
+    configs: list[dict],
+    limit: int | None,
+    label: str,
+    during: Callable[[Any], Any] | None = None,
+) -> EngineRun:
+    """All tasks through one vLLM engine; `during(lm)` runs on the same engine before it stops."""
     import lm_eval
 
+    names = [c["task"] for c in configs]
     with engine.open_engine(model_path, args, device, label) as lm:
-        with step(
-            f"lm-eval on {label}: {', '.join(c['task'] for c in configs)}" + (f" (limit {limit})" if limit else "")
-        ) as timing:
-            out = lm_eval.simple_evaluate(model=lm, tasks=configs, limit=limit, log_samples=False, bootstrap_iters=1000)
-    return _jsonable({k: out[k] for k in ("results", "n-samples", "configs", "versions") if k in out}), timing["seconds"]
+        with step(f"lm-eval on {label}: {', '.join(names)}" + (f" (limit {limit})" if limit else "")) as timing:
+            out = lm_eval.simple_evaluate(model=lm, tasks=configs, limit=limit, log_samples=True, bootstrap_iters=1000)
+        extra = during(lm) if during else None
+    keep = ("results", "n-samples", "configs", "versions", "higher_is_better")
+    raw = _jsonable({k: out[k] for k in keep if k in out})
+    items = {n: _items(out.get("samples", {}).get(n, []), raw["results"].get(n, {})) for n in names}
+    return EngineRun(raw, items, timing["seconds"], extra)
 
 
-def _score(raw: dict, task: TaskDef) -> tuple[float, float | None]:
-    res = raw["results"].get(task.name, {})
-    if task.metric not in res:
-        raise QserveError(
-            f"lm-eval returned no {task.metric!r} for {task.name}; it reported {', '.join(k for k in res if k != 'alias')}"
-        )
-    metric, _, filt = task.metric.partition(",")
-    stderr = res.get(f"{metric}_stderr,{filt}")
-    return float(res[task.metric]), float(stderr) if isinstance(stderr, (int, float)) else None
+def _items(samples: list[dict], results: dict) -> dict[str, ItemValues]:
+    keys = [k for k in results if "," in k and "_stderr" not in k]
+    return {k: v for k in keys if (v := stats.item_values(samples, k))}
+
+
+def _score(run: EngineRun, task: str, metric: str) -> tuple[float, float | None, ItemValues | None]:
+    res = run.raw["results"].get(task, {})
+    if metric not in res:
+        raise QserveError(f"lm-eval returned no {metric!r} for {task}; it reported {', '.join(k for k in res if k != 'alias')}")
+    name, _, filt = metric.partition(",")
+    stderr = res.get(f"{name}_stderr,{filt}")
+    return float(res[metric]), float(stderr) if isinstance(stderr, (int, float)) else None, run.items.get(task, {}).get(metric)
 
 
 def _jsonable(obj: Any) -> Any:
     return json.loads(json.dumps(obj, default=str))
-
-
-def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
 
 
 def _version(name: str) -> str:
@@ -187,30 +229,3 @@ def read_eval(ckpt: Path) -> dict[str, Any] | None:
         return json.loads(path.read_text())
     except json.JSONDecodeError:
         raise QserveError(f"{path} is corrupt; run `qserve eval` again") from None
-
-
-def format_table(summary: dict[str, Any]) -> str:
-    rows = [("task", "metric", "baseline", "quantized", "recovery", "gate", "status")]
-    for g in summary["gates"]:
-        rows.append(
-            (
-                g["task"],
-                g["metric"] + ("" if g["higher_is_better"] else " (lower is better)"),
-                _with_err(g["baseline"], g["baseline_stderr"]),
-                _with_err(g["quantized"], g["quantized_stderr"]),
-                "n/a" if g["recovery"] is None else f"{g['recovery']:.3f}",
-                f">= {g['threshold']:g}",
-                g["status"].upper(),
-            )
-        )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    notes = [f"  {g['task']}: {g['reason']}" for g in summary["gates"] if g["status"] == "inconclusive"]
-    limit = f" on {summary['limit']} items per task" if summary.get("limit") else ""
-    tail = [f"verdict: {summary['verdict'].upper()}{limit}"]
-    return "\n".join(lines + (["inconclusive gates:"] + notes if notes else []) + tail)
-
-
-def _with_err(value: float, err: float | None) -> str:
-    return f"{value:.4g}" + (f" ± {err:.2g}" if err else "")

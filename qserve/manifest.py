@@ -13,6 +13,9 @@ from qserve.errors import QserveError
 
 MANIFEST_NAME = "qserve_manifest.json"
 EVAL_NAME = "qserve_eval.json"
+LM_EVAL_RESULTS_NAME = "lm_eval_results.json"
+# qserve's own records, rewritten by every eval: never part of the checkpoint's identity.
+RECORD_NAMES = {MANIFEST_NAME, EVAL_NAME, LM_EVAL_RESULTS_NAME}
 # Files whose content determines what vLLM loads; each is hashed into the manifest.
 HASHED_SUFFIXES = (".safetensors", ".json", ".jinja", ".model", ".txt")
 TRACKED_PACKAGES = (
@@ -69,13 +72,13 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def hashed_paths(directory: Path) -> list[Path]:
+    """The files that determine what vLLM loads from `directory` (qserve's own records excluded)."""
+    return [p for p in sorted(directory.rglob("*")) if p.is_file() and p.suffix in HASHED_SUFFIXES and p.name not in RECORD_NAMES]
+
+
 def hash_files(directory: Path) -> dict[str, str]:
-    skip = {MANIFEST_NAME, EVAL_NAME}
-    return {
-        str(p.relative_to(directory)): sha256_file(p)
-        for p in sorted(directory.rglob("*"))
-        if p.is_file() and p.suffix in HASHED_SUFFIXES and p.name not in skip
-    }
+    return {str(p.relative_to(directory)): sha256_file(p) for p in hashed_paths(directory)}
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:

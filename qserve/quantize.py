@@ -17,6 +17,7 @@ from qserve.manifest import Manifest, VllmArgs, hash_files, library_versions, wr
 from qserve.models import ModelRef, resolve_model
 from qserve.progress import info, step
 from qserve.recipe import Recipe, load_recipe
+from qserve.reports import CARD_NAME, model_card, write_text
 from qserve.schemes import SCHEMES
 
 CANDIDATE_GROUP_SIZES = (32, 64, 128, 256)
@@ -108,6 +109,8 @@ def _run(
         files=files,
     )
     write_manifest(partial, manifest)
+    # The card explains a copied checkpoint; `qserve eval` rewrites it with results. Not hashed.
+    write_text(partial / CARD_NAME, model_card(partial, manifest, None))
     return manifest
 
 

@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from qserve.errors import QserveError
+from qserve.gates import GateSpec
 from qserve.paths import project_data
 from qserve.schemes import SCHEMES, get_scheme
 
@@ -56,7 +57,10 @@ class Recipe(_Strict):
     smoothquant: float | None = Field(None, gt=0, lt=1, description="SmoothQuant strength before quantizing")
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
     calibration: CalibrationSpec | None = None
-    gates: dict[str, float] = Field(default_factory=dict, description="task -> minimum recovery")
+    gates: dict[str, list[GateSpec]] = Field(
+        default_factory=dict,
+        description="task -> minimum recovery, or {metric, min_recovery, max_drop, max_increase}, or a list of those",
+    )
     dtype: Literal["auto", "float16", "bfloat16", "float32"] | None = Field(
         None, description="vLLM dtype to record; default chosen per scheme and device"
     )
@@ -69,13 +73,16 @@ class Recipe(_Strict):
         except KeyError as exc:
             raise ValueError(exc.args[0]) from None
 
-    @field_validator("gates")
+    @field_validator("gates", mode="before")
     @classmethod
-    def _gate_range(cls, v: dict[str, float]) -> dict[str, float]:
-        for task, threshold in v.items():
-            if not 0 < threshold <= 2:
-                raise ValueError(f"gate for {task!r} must be a recovery ratio in (0, 2], got {threshold}")
-        return v
+    def _gate_shorthand(cls, v: Any) -> Any:
+        """`gsm8k: 0.95` means a minimum recovery; one mapping means a one-gate list."""
+        if not isinstance(v, dict):
+            return v
+        as_list = {task: spec if isinstance(spec, list) else [spec] for task, spec in v.items()}
+        return {
+            task: [{"min_recovery": s} if isinstance(s, (int, float)) else s for s in specs] for task, specs in as_list.items()
+        }
 
     @model_validator(mode="after")
     def _consistent(self) -> Recipe:
@@ -128,7 +135,7 @@ def _describe(exc: ValidationError, node: yaml.Node | None, source: str) -> str:
     field = ".".join(str(p) for p in loc) or "recipe"
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
-        parent = Recipe if len(loc) == 1 else CalibrationSpec
+        parent = {"calibration": CalibrationSpec, "gates": GateSpec}.get(str(loc[0]), Recipe) if len(loc) > 1 else Recipe
         msg = f"unknown field; valid fields: {', '.join(parent.model_fields)}"
     return f"{where}: {field}: {msg}"
 
@@ -137,6 +144,8 @@ def _line_of(node: yaml.Node | None, loc: list) -> int | None:
     """1-based line of the deepest YAML node on `loc` that exists."""
     line = node.start_mark.line + 1 if node is not None else None
     for key in loc:
+        if isinstance(key, int) and not isinstance(node, yaml.SequenceNode):
+            continue  # a shorthand the validator wrapped into a list (e.g. one gate mapping)
         if isinstance(node, yaml.MappingNode):
             match = next(((k, v) for k, v in node.value if k.value == key), None)
             if match is None:

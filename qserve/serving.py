@@ -10,6 +10,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,17 +150,25 @@ def serve(
     else:
         info(f"accuracy gate passed (decided {check_gate(ckpt)})")
     p = plan(ckpt, manifest, device, host, port, api_key, extra_args)
-    ensure_port_free(host, port)
+    with running(p) as server:
+        print(f"serving {p.model_name} at {p.url}/v1", flush=True)
+        print(_curl(p, api_key), flush=True)
+        code = server.proc.wait()
+        return 0 if server.requested else code  # a stop we asked for is a clean exit
+
+
+@contextmanager
+def running(p: ServePlan, command: list[str] | None = None) -> Iterator[_StopOnSignal]:
+    """Start the server (`command`, default the plan's), wait until it answers, stop it on exit."""
+    host, _, port = p.url.removeprefix("http://").rpartition(":")
+    ensure_port_free(host.strip("[]"), int(port))
     # vLLM's logs and access log go to stderr: stdout carries only the endpoint and curl lines.
-    proc = subprocess.Popen(p.command, env=p.env, start_new_session=True, stdout=sys.stderr)
+    proc = subprocess.Popen(command or p.command, env=p.env, start_new_session=True, stdout=sys.stderr)
     server = _StopOnSignal(proc)
     try:
         with step(f"starting vLLM server for {p.model_name} on {p.url}"):
             _wait_ready(proc, p.url, server)
-        print(f"serving {p.model_name} at {p.url}/v1", flush=True)
-        print(_curl(p, api_key), flush=True)
-        code = proc.wait()
-        return 0 if server.requested else code  # a stop we asked for is a clean exit
+        yield server
     finally:
         server.close()
 
@@ -182,7 +192,8 @@ def _wait_ready(proc: subprocess.Popen, url: str, server: _StopOnSignal) -> None
 
 class _StopOnSignal:
     """SIGINT/SIGTERM ask the vLLM child to stop, once (a second Ctrl-C must not turn a clean
-    shutdown into a kill); close() reaps the child and restores the handlers."""
+    shutdown into a kill); close() reaps the child and restores the handlers, unless a signal
+    asked us to stop: the caller is then on its way out, and repeats stay ignored."""
 
     def __init__(self, proc: subprocess.Popen) -> None:
         self.proc = proc
@@ -203,7 +214,9 @@ class _StopOnSignal:
                 self.proc.kill()
                 self.proc.wait()
         for sig, handler in self._old.items():
-            signal.signal(sig, handler)
+            # After a signalled stop, ignore repeats: SIG_IGN survives interpreter shutdown,
+            # which resets Python-level handlers to the default (a late Ctrl-C would kill us).
+            signal.signal(sig, signal.SIG_IGN if self.requested else handler)
 
 
 def _curl(p: ServePlan, api_key: str | None) -> str:

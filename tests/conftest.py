@@ -81,6 +81,6 @@ def copy_checkpoint(src: Path, dst: Path) -> Path:
 def passed_eval(checkpoints) -> tuple[Path, dict]:
     """The INT8 W8A8 checkpoint evaluated against the recipe's own gates (0.95), which it passes."""
     ckpt = checkpoints["w8a8-int8"]
-    proc = run_qserve("eval", ckpt, "--tasks", "gsm8k_ppl,gsm8k", "--limit", str(EVAL_LIMIT), "--json")
+    proc = run_qserve("eval", ckpt, "--tasks", "gsm8k_ppl,gsm8k,gsm8k_mc", "--limit", str(EVAL_LIMIT), "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return ckpt, json.loads(proc.stdout)

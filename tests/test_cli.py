@@ -23,7 +23,7 @@ def test_help_imports_nothing_heavy() -> None:
     assert out.strip() == "[]"
 
 
-@pytest.mark.parametrize("cmd", ["quantize", "eval", "serve"])
+@pytest.mark.parametrize("cmd", ["quantize", "eval", "serve", "inspect"])
 def test_subcommand_help_teaches(cmd: str) -> None:
     proc = run_qserve(cmd, "--help")
     assert proc.returncode == 0
@@ -33,7 +33,7 @@ def test_subcommand_help_teaches(cmd: str) -> None:
 def test_bad_gate_flag(tmp_path: Path) -> None:
     proc = run_qserve("eval", tmp_path, "--gate", "gsm8k")
     assert proc.returncode == 1
-    assert "expected TASK=MIN_RECOVERY" in proc.stderr
+    assert "expected TASK[@METRIC][:CRITERION]=VALUE" in proc.stderr
 
 
 def test_eval_without_checkpoint_and_no_history(tmp_path: Path) -> None:

@@ -1,0 +1,225 @@
+"""Accuracy gates: criteria per task and metric, and decisions that respect sampling noise.
+
+Every criterion becomes an allowed degradation of the quantized score relative to the
+baseline, in the metric's own units (a drop for scores, an increase for perplexities).
+A gate passes only when the degradation stays inside that allowance by more than the
+noise of the comparison, and fails only when it exceeds it by more than the noise; when
+the noise band straddles the limit, the sample is too small and the gate says "inconclusive".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from qserve.errors import QserveError
+
+DEFAULT_MIN_RECOVERY = 0.95
+# One-sided 95 %: a pass must hold at the pessimistic end of the noise band.
+NOISE_Z = 1.645
+CRITERIA = ("min_recovery", "max_drop", "max_increase")
+
+
+class GateSpec(BaseModel):
+    """One gate on one metric of a task. A bare number in a recipe means min_recovery."""
+
+    model_config = ConfigDict(extra="forbid")
+    metric: str | None = Field(None, description="lm-eval '<metric>,<filter>' key; default: the task's headline metric")
+    min_recovery: float | None = Field(None, gt=0, le=2, description="quantized/baseline (baseline/quantized for losses)")
+    max_drop: float | None = Field(None, ge=0, description="largest allowed degradation in the metric's own units")
+    max_increase: float | None = Field(None, ge=0, description="lower-is-better metrics: largest relative increase (0.05 = 5%)")
+
+    @model_validator(mode="after")
+    def _has_criterion(self) -> GateSpec:
+        if all(getattr(self, c) is None for c in CRITERIA):
+            raise ValueError(f"a gate needs at least one of {', '.join(CRITERIA)}")
+        return self
+
+    def criteria(self) -> dict[str, float]:
+        return {c: getattr(self, c) for c in CRITERIA if getattr(self, c) is not None}
+
+
+def normalize(value: object) -> list[GateSpec]:
+    """A recipe's or CLI's gate value (number, mapping or list of them) as GateSpecs."""
+    items = value if isinstance(value, list) else [value]
+    out = []
+    for item in items:
+        if isinstance(item, GateSpec):
+            out.append(item)
+        elif isinstance(item, (int, float)) and not isinstance(item, bool):
+            out.append(GateSpec(min_recovery=float(item)))
+        elif isinstance(item, dict):
+            out.append(GateSpec.model_validate(item))
+        else:
+            raise ValueError(f"a gate is a number (minimum recovery) or a mapping of {', '.join(CRITERIA)}; got {item!r}")
+    return out
+
+
+def parse_cli_gates(values: list[str]) -> dict[str, list[GateSpec]]:
+    """`TASK=0.95`, `TASK:max_drop=0.02`, `TASK@acc_norm:min_recovery=0.9`; several per task combine."""
+    merged: dict[tuple[str, str | None], dict] = {}
+    for item in values:
+        head, sep, number = item.partition("=")
+        task, _, criterion = head.partition(":")
+        task, _, metric = task.partition("@")
+        criterion = criterion.strip() or "min_recovery"
+        try:
+            value = float(number)
+        except ValueError:
+            sep = ""
+        if not sep or not task.strip() or criterion not in CRITERIA:
+            raise QserveError(
+                f"--gate {item!r}: expected TASK[@METRIC][:CRITERION]=VALUE with CRITERION one of {', '.join(CRITERIA)}, "
+                "e.g. gsm8k=0.9 or gsm8k_ppl:max_increase=0.05"
+            )
+        key = (task.strip(), _metric_key(metric.strip()) if metric.strip() else None)
+        merged.setdefault(key, {})[criterion] = value
+    out: dict[str, list[GateSpec]] = {}
+    for (task, metric), crit in merged.items():
+        try:
+            out.setdefault(task, []).append(GateSpec(metric=metric, **crit))
+        except ValidationError as exc:
+            raise QserveError(f"--gate for {task}: {exc.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+    return out
+
+
+def _metric_key(metric: str) -> str:
+    return metric if "," in metric else f"{metric},none"
+
+
+@dataclass
+class Comparison:
+    """Baseline and quantized scores of one metric on the same items, with their noise."""
+
+    metric: str
+    higher_is_better: bool
+    baseline: float
+    quantized: float
+    baseline_stderr: float | None = None
+    quantized_stderr: float | None = None
+    # Standard error of (quantized - baseline) from the paired per-item comparison, if known.
+    paired_stderr: float | None = None
+    items: int | None = None
+    constant: bool = False  # every item scored the same on both: no variance to judge by
+    # Perplexities: standard error of log(quantized/baseline); the decision is made on that scale.
+    log_ratio_stderr: float | None = None
+
+    @property
+    def degradation(self) -> float:
+        """How much worse the quantized score is, in the metric's units (negative: better)."""
+        return self.baseline - self.quantized if self.higher_is_better else self.quantized - self.baseline
+
+    @property
+    def noise(self) -> float | None:
+        if self.paired_stderr is not None:
+            return self.paired_stderr
+        if self.baseline_stderr is not None and self.quantized_stderr is not None:
+            return math.hypot(self.baseline_stderr, self.quantized_stderr)  # unpaired: conservative
+        return None
+
+
+@dataclass
+class Gate:
+    task: str
+    metric: str
+    higher_is_better: bool
+    baseline: float
+    baseline_stderr: float | None
+    quantized: float
+    quantized_stderr: float | None
+    recovery: float | None
+    degradation: float
+    degradation_stderr: float | None
+    allowed_degradation: float | None
+    criteria: dict[str, float]
+    status: str  # "pass", "fail" or "inconclusive"
+    reason: str
+
+
+def recovery(baseline: float, quantized: float, higher_is_better: bool) -> float | None:
+    """quantized/baseline for scores, baseline/quantized for losses; None when undefined."""
+    num, den = (quantized, baseline) if higher_is_better else (baseline, quantized)
+    if den == 0 or not (math.isfinite(num) and math.isfinite(den)):
+        return None
+    return num / den
+
+
+def allowed_degradation(spec: GateSpec, baseline: float, higher_is_better: bool) -> float | None:
+    """The tightest allowance the spec's criteria give; None if min_recovery is undefined."""
+    limits = []
+    if spec.min_recovery is not None:
+        if higher_is_better:
+            if baseline == 0:
+                return None
+            limits.append(baseline * (1 - spec.min_recovery))
+        else:
+            limits.append(baseline * (1 / spec.min_recovery - 1))
+    if spec.max_drop is not None:
+        limits.append(spec.max_drop)
+    if spec.max_increase is not None:
+        if higher_is_better:
+            raise QserveError(
+                f"max_increase applies to lower-is-better metrics (perplexity); {spec.metric} is a score: use max_drop"
+            )
+        limits.append(baseline * spec.max_increase)
+    return min(limits)
+
+
+def decide(task: str, spec: GateSpec, cmp: Comparison) -> Gate:
+    allowed = allowed_degradation(spec, cmp.baseline, cmp.higher_is_better)
+    deg, noise = cmp.degradation, cmp.noise
+    status, reason = _status(allowed, deg, noise, cmp)
+    return Gate(
+        task=task,
+        metric=cmp.metric,
+        higher_is_better=cmp.higher_is_better,
+        baseline=cmp.baseline,
+        baseline_stderr=cmp.baseline_stderr,
+        quantized=cmp.quantized,
+        quantized_stderr=cmp.quantized_stderr,
+        recovery=recovery(cmp.baseline, cmp.quantized, cmp.higher_is_better),
+        degradation=deg,
+        degradation_stderr=noise,
+        allowed_degradation=allowed,
+        criteria=spec.criteria(),
+        status=status,
+        reason=reason,
+    )
+
+
+def _status(allowed: float | None, deg: float, noise: float | None, cmp: Comparison) -> tuple[str, str]:
+    if allowed is None:
+        return "inconclusive", f"baseline {cmp.metric} is {cmp.baseline:g}: recovery is undefined, this gate says nothing"
+    if not math.isfinite(deg):
+        return "fail", f"the quantized {cmp.metric} is {cmp.quantized:g}"
+    within = f"degradation {deg:.4g} vs allowed {allowed:.4g}"
+    spread = f"±{noise:.2g}" if noise is not None else ""
+    if cmp.log_ratio_stderr is not None and cmp.baseline > 0 and cmp.quantized > 0:
+        # Multiplicative metrics: compare log(quantized/baseline) with log(1 + allowed/baseline).
+        within = f"{cmp.quantized / cmp.baseline - 1:+.2%} vs allowed {allowed / cmp.baseline:+.2%}"
+        deg, allowed, noise = math.log(cmp.quantized / cmp.baseline), math.log1p(allowed / cmp.baseline), cmp.log_ratio_stderr
+        spread = f"±{noise:.1%}"
+    if deg > allowed:
+        if noise is not None and deg - NOISE_Z * noise <= allowed:
+            return "inconclusive", within + f": exceeded, but within noise {spread}; evaluate more items (--limit) to decide"
+        return "fail", within + " (exceeded" + (f", beyond noise {spread})" if noise is not None else ")")
+    if cmp.constant:
+        return "inconclusive", f"all {cmp.items} items scored {cmp.baseline:g} on both models: no variance, nothing to judge by"
+    if noise is None:
+        return "pass", within + " (no standard error available: noise not assessed)"
+    if deg > allowed - NOISE_Z * noise:
+        return (
+            "inconclusive",
+            within + f": too close to call at {spread} (one-sided 95%); evaluate more items (--limit) to decide",
+        )
+    return "pass", within + f", clear of noise {spread}"
+
+
+def verdict(gates: list[Gate]) -> str:
+    """fail if any gate fails; pass if at least one passes and none fails; else inconclusive."""
+    statuses = {g.status for g in gates}
+    if "fail" in statuses:
+        return "fail"
+    return "pass" if "pass" in statuses else "inconclusive"

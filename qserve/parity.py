@@ -1,0 +1,127 @@
+"""Engine parity: does vLLM compute what transformers computes on the same checkpoint?
+
+A gate measures quantization error only if the engine runs the checkpoint faithfully. vLLM's
+greedy tokens and top log-probabilities are compared with transformers teacher-forced on the
+same token ids, so a wrong engine setting (KV-cache dtype, RoPE, a kernel bug) shows up here
+instead of being blamed on, or hidden inside, the quantization.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+PROMPTS = [
+    "The capital of France is",
+    "Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:",
+    "def fibonacci(n):",
+    "The three primary colours are",
+    "Water boils at",
+    "Once upon a time, in a small village,",
+    "Translate to French: Good morning ->",
+    "The largest planet in the solar system is",
+]
+MAX_TOKENS = 32
+TOP_K = 5
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    max_mean_abs_logprob_diff: float
+    min_top1_agreement: float
+    why: str
+
+
+# Measured on SmolLM2-135M, 8 prompts x 32 tokens (README, "Engine parity"). transformers
+# reproduces weight-only checkpoints exactly (0.007 nats mean), but its compressed-tensors
+# emulation of INT8/FP8 activation quantization differs from vLLM's kernels (0.19-0.25 nats),
+# so those schemes get a looser bound. A RoPE mismatch measured 0.37 nats; an unrequested
+# fp8 KV cache 0.23 nats (caught for weight-only schemes).
+TOLERANCES = {
+    "exact": Tolerance(0.05, 0.90, "transformers reproduces the dequantized weights exactly"),
+    "activation": Tolerance(0.35, 0.80, "transformers' INT8/FP8 activation emulation is not bit-exact with vLLM's kernels"),
+}
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    top_logprobs: list[dict[int, float]]  # per generated position: vLLM's top-k token -> logprob
+
+
+def vllm_generations(lm: Any, prompts: list[str] = PROMPTS) -> list[Generation]:
+    """Greedy generations with top-k log-probabilities from an engine opened by engine.open_engine."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP_K)
+    outputs = lm.model.generate(prompts, params, use_tqdm=False)
+    return [
+        Generation(
+            list(o.prompt_token_ids),
+            list(o.outputs[0].token_ids),
+            [{tid: lp.logprob for tid, lp in pos.items()} for pos in o.outputs[0].logprobs],
+        )
+        for o in outputs
+    ]
+
+
+def compare_with_transformers(
+    checkpoint: Path, generations: list[Generation], tolerance: Tolerance, trust_remote_code: bool = False
+) -> dict[str, Any]:
+    """Teacher-force vLLM's tokens through transformers (float32) and measure the divergence."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    model.eval()
+    diffs: list[float] = []
+    agree = shortfall = 0.0
+    positions = 0
+    for gen in generations:
+        ids = torch.tensor([gen.prompt_ids + gen.token_ids])
+        with torch.no_grad():
+            logprobs = model(ids).logits[0].float().log_softmax(-1)
+        for j, (token, top) in enumerate(zip(gen.token_ids, gen.top_logprobs)):
+            row = logprobs[len(gen.prompt_ids) - 1 + j]
+            agree += int(int(row.argmax()) == token)
+            shortfall = max(shortfall, float(row.max() - row[token]))
+            diffs += [abs(lp - float(row[tid])) for tid, lp in top.items()]
+            positions += 1
+    del model
+    return _judge(
+        positions,
+        agree / max(positions, 1),
+        statistics.fmean(diffs) if diffs else 0.0,
+        max(diffs, default=0.0),
+        shortfall,
+        tolerance,
+    )
+
+
+def _judge(
+    positions: int, agreement: float, mean_diff: float, max_diff: float, shortfall: float, tol: Tolerance
+) -> dict[str, Any]:
+    problems = []
+    if mean_diff > tol.max_mean_abs_logprob_diff:
+        problems.append(f"mean |Δ logprob| {mean_diff:.3f} > {tol.max_mean_abs_logprob_diff}")
+    if agreement < tol.min_top1_agreement:
+        problems.append(f"greedy-token agreement {agreement:.1%} < {tol.min_top1_agreement:.0%}")
+    status = "fail" if problems else "pass"
+    summary = "; ".join(problems) or f"mean |Δ logprob| {mean_diff:.3f}, greedy-token agreement {agreement:.1%}"
+    return {
+        "status": status,
+        "reason": summary,
+        "positions": positions,
+        "top1_agreement": round(agreement, 4),
+        "mean_abs_logprob_diff": round(mean_diff, 5),
+        "max_abs_logprob_diff": round(max_diff, 5),
+        "max_greedy_shortfall": round(shortfall, 5),
+        "tolerance": asdict(tol),
+    }
+
+
+def tolerance_for(activations: str) -> Tolerance:
+    return TOLERANCES["exact" if activations == "fp16" else "activation"]

@@ -1,0 +1,63 @@
+"""`qserve compare` and `qserve bench` on real checkpoints, the real vLLM and vLLM's own benchmark."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import EVAL_LIMIT, REPO, copy_checkpoint, run_qserve
+
+from qserve.bench_suite import quantized_layer_bytes
+
+
+@pytest.mark.slow
+def test_quantized_layers_shrink_as_the_scheme_says(checkpoints) -> None:
+    # Read from the safetensors headers: INT4 in groups of 64 with bf16 scales, INT8/FP8 per channel.
+    w4 = quantized_layer_bytes(checkpoints["w4a16-gptq"])
+    w8 = quantized_layer_bytes(checkpoints["w8a8-int8"])
+    assert w4["layers"] == w8["layers"] == 30 * 7  # 30 decoder layers x q,k,v,o,gate,up,down
+    assert 0.25 <= w4["ratio"] <= 0.30
+    assert 0.50 <= w8["ratio"] <= 0.52
+
+
+@pytest.mark.slow
+def test_compare_reuses_checkpoints_and_writes_table_plot_json(checkpoints, passed_eval, tmp_path: Path) -> None:
+    out = tmp_path / "cmp"
+    for name in ("fp8", "w8a8-int8"):
+        copy_checkpoint(checkpoints[name], out / f"out-{name}")
+    recipes = [REPO / "recipes" / "fp8.yaml", REPO / "recipes" / "w8a8-int8.yaml"]
+    proc = run_qserve("compare", *recipes, "--tasks", "gsm8k_ppl", "--limit", str(EVAL_LIMIT), "--out-dir", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "fp8: reusing" in proc.stderr and "w8a8-int8: reusing" in proc.stderr
+    assert "quantizing" not in proc.stderr and "starting vLLM for the baseline HuggingFaceTB" not in proc.stderr
+    result = json.loads((out / "compare.json").read_text())
+    rows = {r["recipe"]: r for r in result["recipes"]}
+    assert set(rows) == {"fp8", "w8a8-int8"}
+    for r in rows.values():
+        assert r["gates"][0]["task"] == "gsm8k_ppl" and r["gates"][0]["recovery"] > 0.5
+        assert r["decode_tokens_per_second"] > 0 and 0 < r["size_vs_bf16"] < 1
+    assert result["baseline"]["decode_tokens_per_second"] > 0
+    # The table shows every recipe with the numbers in the JSON.
+    lines = proc.stdout.splitlines()
+    for name, r in rows.items():
+        row = next(line for line in lines if line.startswith(name))
+        assert f"{r['gates'][0]['recovery']:.3f}" in row and f"{r['decode_tokens_per_second']:.0f}" in row
+    png = (out / "compare.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+
+
+@pytest.mark.slow
+def test_bench_serves_and_measures_latency(passed_eval) -> None:
+    proc = run_qserve("bench", passed_eval[0], "--num-prompts", "8", "--output-len", "16", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["completed"] == 8 and result["total_output_tokens"] == 8 * 16
+    assert result["output_throughput"] > 0 and 0 < result["mean_ttft_ms"] and 0 < result["mean_tpot_ms"]
+    assert result["load"]["num_prompts"] == 8
+
+
+def test_bench_needs_a_checkpoint_or_suite() -> None:
+    proc = run_qserve("bench")
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == "error: pass CHECKPOINT to benchmark, or --suite"
