@@ -1,0 +1,52 @@
+"""The evals/ registry builds real lm-eval tasks from local files (no engine, no hub)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import DATA_DIR
+
+from qserve.errors import QserveError
+from qserve.tasks import get_tasks, lm_eval_config
+
+ARC = [
+    ("Which gas do plants take in from the air?", ["oxygen", "carbon dioxide", "helium", "neon"], "B"),
+    ("What is frozen water called?", ["steam", "ice", "sand", "salt"], "B"),
+]
+
+
+def _task(name: str, data_dir: Path):
+    from lm_eval.api.task import ConfigurableTask
+
+    return ConfigurableTask(config=lm_eval_config(get_tasks([name])[0], data_dir))
+
+
+def test_lm_eval_multiple_choice_task_from_local_files(tmp_path: Path) -> None:
+    # lm-eval's own arc_easy config, reading a local file with the hub dataset's fields.
+    (tmp_path / "arc_easy").mkdir()
+    with (tmp_path / "arc_easy" / "test.jsonl").open("w") as f:
+        for i, (q, choices, key) in enumerate(ARC):
+            f.write(
+                json.dumps({"id": str(i), "question": q, "choices": {"text": choices, "label": list("ABCD")}, "answerKey": key})
+                + "\n"
+            )
+    task = _task("arc_easy", tmp_path)
+    docs = list(task.test_docs())
+    assert task.OUTPUT_TYPE == "multiple_choice" and len(docs) == 2
+    assert task.doc_to_text(docs[0]) == "Question: Which gas do plants take in from the air?\nAnswer:"
+    assert task.doc_to_choice(docs[1]) == ["steam", "ice", "sand", "salt"] and task.doc_to_target(docs[1]) == 1
+
+
+def test_gsm8k_multiple_choice_distractors() -> None:
+    task = _task("gsm8k_mc", DATA_DIR)
+    doc = next(iter(task.test_docs()))
+    answer = int(doc["answer"].split("#### ")[-1].replace(",", ""))
+    assert task.doc_to_choice(doc) == [str(answer), str(answer + 1), str(answer - 1), str(answer + 10)]
+    assert task.doc_to_target(doc) == 0
+
+
+def test_missing_task_data_is_one_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(QserveError, match=r"task arc_easy needs .*arc_easy/test.jsonl, which does not exist"):
+        lm_eval_config(get_tasks(["arc_easy"])[0], tmp_path)
