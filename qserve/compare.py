@@ -89,7 +89,7 @@ def _baseline_row(any_ckpt: Path) -> dict[str, Any]:
     ref = baseline_model(manifest)
     device = engine.detect_device()
     args = engine.baseline_args(device, manifest.vllm_args.trust_remote_code)
-    with engine.open_engine(ref.path, args, device, f"the baseline {ref.id} (decode speed)") as lm:
+    with engine.open_engine(ref.path, args, device, f"the baseline {manifest.source_model['id']} (decode speed)") as lm:
         decode = engine.decode_throughput(lm)
     facts = inspect_checkpoint(any_ckpt)
     return {

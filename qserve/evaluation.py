@@ -89,7 +89,8 @@ def evaluate(
     quant = run_lm_eval(ckpt, manifest.vllm_args, device, list(configs.values()), limit, "the quantized checkpoint", on_engine)
     gens = quant.extra["generations"]
     parity_result = _parity(ckpt, manifest, gens) if check_parity else {"status": "skipped", "reason": "--no-parity"}
-    base = _baseline_run(baseline, base_args, device, configs, limit, keys, cached)
+    label = f"the baseline {manifest.source_model['id']}"
+    base = _baseline_run(baseline.path, label, base_args, device, configs, limit, keys, cached)
 
     decided = [_decide(t, spec, base, quant) for t in task_defs for spec in specs[t.name]]
     final = verdict(decided)
@@ -135,7 +136,14 @@ def _parity(ckpt: Path, manifest: Manifest, generations: list) -> dict[str, Any]
 
 
 def _baseline_run(
-    baseline: ModelRef, args: VllmArgs, device: engine.Device, configs: dict, limit: int | None, keys: dict, cached: dict
+    model_path: Path,
+    label: str,
+    args: VllmArgs,
+    device: engine.Device,
+    configs: dict,
+    limit: int | None,
+    keys: dict,
+    cached: dict,
 ) -> EngineRun:
     """Cached tasks from the cache; the rest through one baseline engine, then stored."""
     for name in cached:
@@ -143,7 +151,7 @@ def _baseline_run(
     missing = [n for n in configs if n not in cached]
     run = EngineRun(raw={})
     if missing:
-        run = run_lm_eval(baseline.path, args, device, [configs[n] for n in missing], limit, f"the baseline {baseline.id}")
+        run = run_lm_eval(model_path, args, device, [configs[n] for n in missing], limit, label)
         for name in missing:
             baselines.store(keys[name], _task_slice(run.raw, name), run.items.get(name, {}))
     for name, entry in cached.items():
