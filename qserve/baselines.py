@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from qserve import paths
 from qserve.manifest import hashed_paths, library_versions, sha256_file
+from qserve.reports import write_json
 
 FORMAT = 1
 
@@ -32,7 +32,7 @@ def model_digest(model_dir: Path) -> str:
         if stamp not in memo:
             memo[stamp] = sha256_file(path)
         files[str(path.relative_to(model_dir))] = memo[stamp]
-    _write_json(memo_path, memo)
+    write_json(memo_path, memo)
     return _digest(files)
 
 
@@ -59,7 +59,7 @@ def lookup(key: dict) -> dict | None:
 
 def store(key: dict, result: dict, items: dict) -> Path:
     path = entry_path(key)
-    _write_json(
+    write_json(
         path, {"key": key, "created_at": datetime.now(UTC).isoformat(timespec="seconds"), "result": result, "items": items}
     )
     return path
@@ -97,10 +97,3 @@ def _read_json(path: Path) -> Any:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None  # absent or damaged: recompute
-
-
-def _write_json(path: Path, data: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, path)

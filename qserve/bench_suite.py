@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from qserve import engine, paths
-from qserve.inspection import DTYPE_BYTES, _header
+from qserve.inspection import DTYPE_BYTES, safetensors_header
 from qserve.progress import info, step
 
 GOALS = {
@@ -127,7 +127,7 @@ def quantized_layer_bytes(ckpt: Path) -> dict[str, float]:
     layers in bf16, read from the safetensors headers."""
     tensors: dict[str, dict] = {}
     for path in ckpt.glob("*.safetensors"):
-        tensors |= {k: v for k, v in _header(path).items() if k != "__metadata__"}
+        tensors |= {k: v for k, v in safetensors_header(path).items() if k != "__metadata__"}
     quantized = {name.rsplit(".", 1)[0] for name in tensors if name.endswith(".weight_scale")}
     stored = bf16 = 0
     for module in quantized:

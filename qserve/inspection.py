@@ -35,7 +35,7 @@ def parameter_count(directory: Path) -> int:
     """Elements of all tensors, read from the safetensors headers (no weights loaded)."""
     total = 0
     for path in directory.glob("*.safetensors"):
-        for name, info in _header(path).items():
+        for name, info in safetensors_header(path).items():
             if name != "__metadata__":
                 n = 1
                 for d in info["shape"]:
@@ -44,7 +44,7 @@ def parameter_count(directory: Path) -> int:
     return total
 
 
-def _header(path: Path) -> dict[str, Any]:
+def safetensors_header(path: Path) -> dict[str, Any]:
     with path.open("rb") as f:
         (size,) = struct.unpack("<Q", f.read(8))
         return json.loads(f.read(size))

@@ -31,7 +31,8 @@ def write_json(path: Path, data: Any) -> None:
 
 def write_text(path: Path, text: str) -> None:
     """Write through a temporary file so a crash never leaves half a report."""
-    tmp = path.with_name(path.name + ".tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # per process: concurrent writers never share one
     tmp.write_text(text)
     os.replace(tmp, path)
 
