@@ -94,7 +94,7 @@ def quantize_vs_oneshot(recipe: Path, work: Path, data_dir: Path) -> dict[str, A
     rec, _ = load_recipe(recipe)
     assert rec.scheme == "W4A16" and rec.algorithm == "gptq" and rec.smoothquant is None, "the raw script mirrors W4A16 GPTQ"
     model = resolve_model(None).path
-    texts, _ = load_texts(rec.calibration, data_dir)
+    texts, _ = load_texts(rec.calibration, data_dir, model)
     texts_file = work / "calibration_texts.json"
     texts_file.write_text(json.dumps(texts))
     qserve_cmd = [sys.executable, "-m", "qserve.cli", "quantize", str(recipe), "--output", str(work / "qserve-out"), "--force"]

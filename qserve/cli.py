@@ -18,7 +18,7 @@ app = typer.Typer(
     name="qserve",
     help="Quantize an LLM, gate its accuracy with lm-eval, and serve it on vLLM with matched arguments.\n\n"
     "Typical flow: `qserve quantize recipes/w8a8-int8.yaml` -> `qserve eval` -> `qserve serve out-w8a8-int8`.\n\n"
-    "Also: `qserve inspect CKPT`, `qserve compare recipes/*.yaml`, `qserve bench CKPT` (or `--suite`).",
+    "Also: `qserve doctor` (what runs here), `qserve inspect CKPT`, `qserve compare recipes/*.yaml`, `qserve bench CKPT` (or `--suite`).",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
@@ -123,12 +123,22 @@ def eval_(
             "--parity/--no-parity", help="Check that vLLM matches transformers on this checkpoint (greedy tokens, logprobs)."
         ),
     ] = True,
+    kv_cache_dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--kv-cache-dtype",
+            help="Assert the KV-cache dtype (auto, fp8). It must match the checkpoint: a contradiction is an error, never an override.",
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON instead of a table.")] = False,
 ) -> None:
     """Run lm-eval on the checkpoint and its baseline in vLLM, check engine parity, apply the gates.
 
-    Writes qserve_eval.json, qserve_eval.md, lm_eval_results.json and a model card (README.md) into the
-    checkpoint. Exit 3 if a gate or the parity check fails, 4 if no gate could decide (too few items).
+    Where vLLM cannot run the scheme on this device (see `qserve doctor`), both run through transformers
+    and every report says EMULATED. With an FP8 KV cache, the eval also checks that the calibrated k/v
+    scales reached vLLM. Writes qserve_eval.json, qserve_eval.md, lm_eval_results.json and a model card
+    (README.md) into the checkpoint. Exit 3 if a gate, parity or the KV check fails, 4 if no gate could
+    decide (too few items).
     """
     from qserve.evaluation import evaluate
     from qserve.gates import parse_cli_gates
@@ -143,6 +153,7 @@ def eval_(
             data_dir=data_dir,
             refresh_baseline=refresh_baseline,
             check_parity=parity,
+            kv_cache_dtype=kv_cache_dtype,
         )
     typer.echo(json.dumps(summary, indent=2) if as_json else format_table(summary))
     code = {"pass": 0, "fail": EXIT_GATE_FAILED}.get(summary["verdict"], EXIT_GATE_INCONCLUSIVE)
@@ -248,6 +259,29 @@ def bench(
     with _results_only_on_stdout():
         result = run(checkpoint, Load(num_prompts, input_len, output_len, concurrency))
     typer.echo(json.dumps(result, indent=2) if as_json else format_bench(result))
+
+
+@app.command()
+@_user_errors
+def doctor(
+    probe: Annotated[
+        list[Path] | None,
+        typer.Option("--probe", help="Also load this checkpoint in vLLM here and check the matrix's claim (repeatable)."),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Check this machine: library versions against the tested set, the device, and which schemes vLLM runs here.
+
+    The scheme matrix is measured (the test suite re-runs every entry on vLLM); a scheme vLLM cannot run
+    here is evaluated through transformers (emulated) and refused by `qserve serve`. Exit 1 if a
+    required library is missing or a probed checkpoint contradicts the matrix.
+    """
+    from qserve.doctor import diagnose, format_report
+
+    with _results_only_on_stdout():
+        report = diagnose(probe)
+    typer.echo(json.dumps(report, indent=2) if as_json else format_report(report))
+    raise typer.Exit(0 if report["ok"] else EXIT_ERROR)
 
 
 def _split(value: str | None) -> list[str] | None:

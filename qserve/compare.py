@@ -75,11 +75,13 @@ def _row(name: str, ckpt: Path, summary: dict[str, Any]) -> dict[str, Any]:
         "checkpoint": str(ckpt),
         "scheme": summary["scheme"],
         "verdict": summary["verdict"],
+        "emulated": summary["emulated"],
         "gates": [{k: g[k] for k in ("task", "metric", "recovery", "degradation", "status")} for g in summary["gates"]],
         "parity": summary["parity"]["status"],
         "size_bytes": facts["size_bytes"],
         "size_vs_bf16": facts["size_vs_bf16"],
-        "decode_tokens_per_second": summary["decode"]["tokens_per_second"],
+        # None when emulated: transformers' speed says nothing about serving
+        "decode_tokens_per_second": (summary["decode"] or {}).get("tokens_per_second"),
     }
 
 
@@ -103,6 +105,10 @@ def _baseline_row(any_ckpt: Path) -> dict[str, Any]:
 def headline(row: dict[str, Any]) -> dict[str, Any] | None:
     """The first gate with a defined recovery: the number the plot and table lead with."""
     return next((g for g in row["gates"] if g["recovery"] is not None), None)
+
+
+def _speed(tps: float | None, base_tps: float) -> tuple[str, str]:
+    return ("n/a", "n/a") if tps is None else (f"{tps:.0f}", f"{tps / base_tps:.2f}")
 
 
 def format_compare(result: dict[str, Any]) -> str:
@@ -130,10 +136,9 @@ def format_compare(result: dict[str, Any]) -> str:
                 f"{r['size_bytes'] / 2**20:.0f}",
                 f"{r['size_vs_bf16']:.2f}",
                 f"{h['recovery']:.3f} ({h['task']})" if h else "n/a",
-                r["verdict"].upper(),
+                r["verdict"].upper() + (" (emulated)" if r["emulated"] else ""),
                 r["parity"],
-                f"{r['decode_tokens_per_second']:.0f}",
-                f"{r['decode_tokens_per_second'] / base['decode_tokens_per_second']:.2f}",
+                *_speed(r["decode_tokens_per_second"], base["decode_tokens_per_second"]),
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -166,7 +171,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         if h is None:
             continue
         ax.scatter([r["size_vs_bf16"]], [h["recovery"]], s=120, color=colours.get(r["verdict"], "tab:blue"), zorder=3)
-        label = f"{r['recipe']} ({r['verdict']})\n{r['decode_tokens_per_second']:.0f} tok/s"
+        speed = "emulated" if r["decode_tokens_per_second"] is None else f"{r['decode_tokens_per_second']:.0f} tok/s"
+        label = f"{r['recipe']} ({r['verdict']})\n{speed}"
         ax.annotate(label, (r["size_vs_bf16"], h["recovery"]), textcoords="offset points", xytext=(8, -4), fontsize=8)
     ax.axhline(1.0, color="grey", lw=0.5)
     ax.set_xlabel("checkpoint size relative to bf16 baseline")

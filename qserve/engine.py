@@ -1,7 +1,7 @@
 """vLLM engine: the arguments a checkpoint needs, what this device can run, and engine start-up.
 
-Support on vLLM-CPU was measured on SmolLM2-135M (see README, "Support table"); a combination
-that gives wrong text or hangs is refused here before any engine starts.
+What vLLM can run on each device is measured data in qserve.support; a combination that
+cannot run is refused before any engine starts.
 """
 
 from __future__ import annotations
@@ -14,16 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qserve.errors import UnsupportedOnDevice
 from qserve.manifest import Manifest, VllmArgs
 from qserve.progress import step
 
-# (scheme, dtype) combinations vLLM-CPU cannot run, with what to do instead. Measured
-# with the engine settings below (README, "Support table"); everything else ran correctly.
-CPU_UNSUPPORTED = {
-    ("W4A16", "float32"): "vLLM's int4 GEMM (cpu_gemm_wna16) has no float32 path, and int4 kernels on NVIDIA/AMD GPUs "
-    "take only 16-bit activations too; set `dtype: float16` (or bfloat16) in the recipe",
-}
 CPU_BASELINE_DTYPE = "float32"  # the unquantized reference at full precision
 CPU_KV_CACHE_BYTES = 1 << 30
 MAX_MODEL_LEN = 2048
@@ -58,18 +51,10 @@ def _vllm_distribution() -> str | None:
 
 
 def check_supported(manifest: Manifest, device: Device) -> None:
-    """Raise UnsupportedOnDevice, before any engine starts, for a combination known to fail here."""
-    if device.kind != "cpu":
-        return
-    dtype = manifest.vllm_args.dtype
-    reason = CPU_UNSUPPORTED.get((manifest.scheme, dtype))
-    if reason:
-        raise UnsupportedOnDevice(f"{manifest.scheme} with dtype {dtype} cannot run on this machine ({device.detail}): {reason}")
-    group = manifest.recipe.get("group_size")
-    if manifest.scheme == "W4A16" and group is not None and group % 2:
-        raise UnsupportedOnDevice(
-            f"{manifest.scheme} with group size {group} cannot run on this machine ({device.detail}): vLLM-CPU's int4 kernel needs an even group size; NVIDIA GPUs (Marlin) need a multiple of 32"
-        )
+    """Raise UnsupportedOnDevice, before any engine starts, when vLLM cannot run the checkpoint here."""
+    from qserve.support import check_runnable
+
+    check_runnable(manifest, device.kind, device.detail)
 
 
 def baseline_args(device: Device, trust_remote_code: bool = False) -> VllmArgs:
@@ -187,3 +172,30 @@ def decode_throughput(lm: Any, prompts: int = 16, max_tokens: int = 128) -> dict
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"output_tokens": tokens, "seconds": round(seconds, 3), "tokens_per_second": round(tokens / seconds, 2)}
+
+
+def kv_scales(lm: Any) -> list[tuple[str, float, float]]:
+    """(layer, k_scale, v_scale) of every attention layer as loaded in the engine's model."""
+
+    def read(model: Any) -> list[tuple[str, float, float]]:
+        return [(n, float(m._k_scale), float(m._v_scale)) for n, m in model.named_modules() if hasattr(m, "_k_scale")]
+
+    return lm.model.apply_model(read)[0]
+
+
+def check_kv_scales(scales: list[tuple[str, float, float]], kv_cache_dtype: str) -> dict[str, Any]:
+    """For a quantized KV cache: did the checkpoint's calibrated k/v scales reach vLLM (not all 1.0)?"""
+    if kv_cache_dtype == "auto":
+        return {"status": "skipped", "reason": "kv_cache_dtype auto (no quantized KV cache)"}
+    ks, vs = [k for _, k, _ in scales], [v for _, _, v in scales]
+    arrived = bool(scales) and any(x != 1.0 for x in ks + vs)
+    return {
+        "status": "pass" if arrived else "fail",
+        "kv_cache_dtype": kv_cache_dtype,
+        "layers": len(scales),
+        "k_scale": [min(ks, default=0.0), max(ks, default=0.0)],
+        "v_scale": [min(vs, default=0.0), max(vs, default=0.0)],
+        "reason": "calibrated scales loaded"
+        if arrived
+        else "every k/v scale is 1.0: the checkpoint's calibrated scales did not reach vLLM",
+    }

@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from qserve import baselines, engine, parity, paths, reports, stats
+from qserve import baselines, engine, fallback, parity, paths, reports, stats, support
 from qserve.errors import QserveError
 from qserve.gates import DEFAULT_MIN_RECOVERY, Gate, GateSpec, decide, normalize, verdict
 from qserve.manifest import EVAL_NAME, Manifest, VllmArgs, manifest_digest, read_manifest, verify_files
@@ -54,11 +54,17 @@ def evaluate(
     refresh_baseline: bool = False,
     check_parity: bool = True,
     measure_decode: bool = False,
+    kv_cache_dtype: str | None = None,
 ) -> dict[str, Any]:
-    """Evaluate a checkpoint against its (cached) baseline, apply the gates, write the reports."""
+    """Evaluate a checkpoint against its (cached) baseline, apply the gates, write the reports.
+
+    Where vLLM cannot run the scheme on this device, both sides go through transformers and
+    the summary says `emulated: true`. `kv_cache_dtype`, if given, must match the checkpoint.
+    """
     ckpt = resolve_checkpoint(checkpoint)
     manifest = read_manifest(ckpt)
     verify_files(ckpt, manifest)
+    support.check_user_args(ckpt, manifest, {"--kv-cache-dtype": kv_cache_dtype})
     recipe_gates = {t: normalize(v) for t, v in (manifest.recipe.get("gates") or {}).items()}
     task_defs = get_tasks(tasks or list(recipe_gates) or ["gsm8k"])
     specs = {
@@ -68,14 +74,24 @@ def evaluate(
     root = paths.data_dir(data_dir)
     configs = {t.name: lm_eval_config(t, root) for t in task_defs}
     device = engine.detect_device()
-    engine.check_supported(manifest, device)
+    support.check_dtype(manifest, device.kind, device.detail)
+    runnable = support.vllm_support(manifest, device.kind)
+    emulated = not runnable.runs
+    if emulated:
+        info(
+            f"vLLM cannot run {manifest.scheme} here ({runnable.evidence}): evaluating through transformers; results are EMULATED"
+        )
     baseline = baseline_model(manifest)
     base_args = engine.baseline_args(device, manifest.vllm_args.trust_remote_code)
+    trc = manifest.vllm_args.trust_remote_code
 
     started = time.monotonic()
     with step("hashing the baseline model for the baseline cache"):
         model_hash = baselines.model_digest(baseline.path)
-    base_kwargs = engine.engine_kwargs(baseline.path, base_args, device)
+    if emulated:
+        base_kwargs = fallback.lm_kwargs(baseline.path, None, trc)
+    else:
+        base_kwargs = engine.engine_kwargs(baseline.path, base_args, device)
     keys = {n: baselines.task_key(model_hash, cfg, limit, base_kwargs, device.kind) for n, cfg in configs.items()}
     cached = {} if refresh_baseline else {n: e for n, k in keys.items() if (e := baselines.lookup(k))}
 
@@ -84,17 +100,27 @@ def evaluate(
         return {
             "generations": parity.vllm_generations(lm) if check_parity else None,
             "decode": engine.decode_throughput(lm) if measure_decode else None,
+            "kv_cache": engine.check_kv_scales(engine.kv_scales(lm), manifest.vllm_args.kv_cache_dtype),
         }
 
-    quant = run_lm_eval(ckpt, manifest.vllm_args, device, list(configs.values()), limit, "the quantized checkpoint", on_engine)
-    gens = quant.extra["generations"]
-    parity_result = _parity(ckpt, manifest, gens) if check_parity else {"status": "skipped", "reason": "--no-parity"}
+    configs_list = list(configs.values())
+    label = "the quantized checkpoint"
+    quant = run_lm_eval(ckpt, manifest.vllm_args, device, configs_list, limit, label, None if emulated else on_engine, emulated)
+    extra = quant.extra or {"generations": None, "decode": None, "kv_cache": _skipped("emulated: no vLLM engine")}
+    if emulated:
+        parity_result = _skipped("emulated: vLLM cannot run this scheme here, so there is no engine to compare")
+    elif check_parity:
+        parity_result = _parity(ckpt, manifest, extra["generations"])
+    else:
+        parity_result = _skipped("--no-parity")
+    if extra["kv_cache"]["status"] == "fail":
+        info(f"KV CACHE CHECK FAILED: {extra['kv_cache']['reason']}")
     label = f"the baseline {manifest.source_model['id']}"
-    base = _baseline_run(baseline.path, label, base_args, device, configs, limit, keys, cached)
+    base = _baseline_run(baseline.path, label, base_args, device, configs, limit, keys, cached, emulated)
 
     decided = [_decide(t, spec, base, quant) for t in task_defs for spec in specs[t.name]]
     final = verdict(decided)
-    if parity_result["status"] == "fail":
+    if "fail" in (parity_result["status"], extra["kv_cache"]["status"]):
         final = "fail"
     summary = {
         "checkpoint": str(ckpt.resolve()),
@@ -103,15 +129,23 @@ def evaluate(
         "verdict": final,
         "gates": [asdict(g) for g in decided],
         "parity": parity_result,
-        "emulated": False,  # scores come from vLLM itself
-        "decode": quant.extra["decode"],
+        "kv_cache": extra["kv_cache"],
+        "emulated": emulated,  # true: scores come from transformers, not vLLM
+        "engine": "transformers" if emulated else "vllm",
+        "vllm_support": asdict(runnable),
+        "decode": extra["decode"],
         "scheme": manifest.scheme,
         "recipe": manifest.recipe.get("name"),
         "tasks": [t.name for t in task_defs],
         "limit": limit,
         "n_samples": {n: (quant.raw.get("n-samples") or {}).get(n) for n in configs},
         "device": asdict(device),
-        "engine_args": {"quantized": manifest.vllm_args.model_dump(), "baseline": base_args.model_dump()},
+        "engine_args": {
+            "quantized": fallback.lm_kwargs(ckpt, manifest.vllm_args.quantization, trc)
+            if emulated
+            else manifest.vllm_args.model_dump(),
+            "baseline": base_kwargs if emulated else base_args.model_dump(),
+        },
         "baseline_model": {"id": manifest.source_model["id"], "path": str(baseline.path), "sha256": model_hash},
         "baseline_cache": {"hits": sorted(cached), "misses": sorted(set(configs) - set(cached)), "refresh": refresh_baseline},
         "versions": manifest.versions | {"lm-eval": _version("lm-eval")},
@@ -125,8 +159,12 @@ def evaluate(
     return summary
 
 
+def _skipped(reason: str) -> dict[str, str]:
+    return {"status": "skipped", "reason": reason}
+
+
 def _parity(ckpt: Path, manifest: Manifest, generations: list) -> dict[str, Any]:
-    tolerance = parity.tolerance_for(SCHEMES[manifest.scheme].activations)
+    tolerance = parity.tolerance_for(SCHEMES[manifest.scheme].activations, manifest.vllm_args.kv_cache_dtype)
     with step("engine parity: transformers teacher-forced on vLLM's greedy tokens") as timing:
         result = parity.compare_with_transformers(ckpt, generations, tolerance, manifest.vllm_args.trust_remote_code)
     result["seconds"] = timing["seconds"]
@@ -144,6 +182,7 @@ def _baseline_run(
     limit: int | None,
     keys: dict,
     cached: dict,
+    emulated: bool = False,
 ) -> EngineRun:
     """Cached tasks from the cache; the rest through one baseline engine, then stored."""
     for name in cached:
@@ -151,7 +190,7 @@ def _baseline_run(
     missing = [n for n in configs if n not in cached]
     run = EngineRun(raw={})
     if missing:
-        run = run_lm_eval(model_path, args, device, [configs[n] for n in missing], limit, label)
+        run = run_lm_eval(model_path, args, device, [configs[n] for n in missing], limit, label, emulated=emulated)
         for name in missing:
             baselines.store(keys[name], _task_slice(run.raw, name), run.items.get(name, {}))
     for name, entry in cached.items():
@@ -190,12 +229,17 @@ def run_lm_eval(
     limit: int | None,
     label: str,
     during: Callable[[Any], Any] | None = None,
+    emulated: bool = False,
 ) -> EngineRun:
-    """All tasks through one vLLM engine; `during(lm)` runs on the same engine before it stops."""
+    """All tasks through one vLLM engine (transformers if `emulated`); `during(lm)` runs on it before it stops."""
     import lm_eval
 
     names = [c["task"] for c in configs]
-    with engine.open_engine(model_path, args, device, label) as lm:
+    if emulated:
+        opened = fallback.open_transformers(model_path, args.quantization, label, args.trust_remote_code)
+    else:
+        opened = engine.open_engine(model_path, args, device, label)
+    with opened as lm:
         with step(f"lm-eval on {label}: {', '.join(names)}" + (f" (limit {limit})" if limit else "")) as timing:
             out = lm_eval.simple_evaluate(model=lm, tasks=configs, limit=limit, log_samples=True, bootstrap_iters=1000)
         extra = during(lm) if during else None

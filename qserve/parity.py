@@ -42,6 +42,8 @@ class Tolerance:
 TOLERANCES = {
     "exact": Tolerance(0.05, 0.90, "transformers reproduces the dequantized weights exactly"),
     "activation": Tolerance(0.35, 0.80, "transformers' INT8/FP8 activation emulation is not bit-exact with vLLM's kernels"),
+    # Measured: W4A16 + calibrated FP8 KV cache, 0.31 nats / 87% (the same checkpoint without it: 0.007).
+    "kv_cache": Tolerance(0.35, 0.80, "vLLM stores k/v in FP8; transformers keeps them in full precision"),
 }
 
 
@@ -123,5 +125,7 @@ def _judge(
     }
 
 
-def tolerance_for(activations: str) -> Tolerance:
-    return TOLERANCES["exact" if activations == "fp16" else "activation"]
+def tolerance_for(activations: str, kv_cache_dtype: str = "auto") -> Tolerance:
+    if activations != "fp16":
+        return TOLERANCES["activation"]
+    return TOLERANCES["exact" if kv_cache_dtype == "auto" else "kv_cache"]

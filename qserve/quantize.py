@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import re
 import resource
 import shutil
@@ -10,6 +11,7 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from qserve import paths
 from qserve.errors import QserveError
@@ -30,7 +32,7 @@ class QuantizeResult:
 
 
 def default_output(recipe: Recipe) -> Path:
-    return Path(f"out-{recipe.name}")
+    return Path(recipe.output or f"out-{recipe.name}")
 
 
 def quantize(
@@ -46,14 +48,14 @@ def quantize(
     out = Path(output) if output else default_output(recipe)
     if out.exists() and not force:
         raise QserveError(f"output {out} already exists; pass --force to replace it or --output to choose another")
-    ref = resolve_model(model)
+    ref = resolve_model(model or recipe.model)
     check_shapes(ref.path, recipe, trust_remote_code)
 
     texts, calib_record = None, None
     if recipe.calibration is not None:
         from qserve.calibration import load_texts
 
-        texts, calib_record = load_texts(recipe.calibration, paths.data_dir(data_dir))
+        texts, calib_record = load_texts(recipe.calibration, paths.data_dir(data_dir), ref.path)
 
     # Build next to the target and rename at the end: a crash or Ctrl-C never
     # leaves a directory at `out` that looks like a finished checkpoint.
@@ -77,19 +79,17 @@ def quantize(
 def _run(
     ref: ModelRef, recipe: Recipe, recipe_path, recipe_sha: str, texts, calib_record, partial: Path, trust_remote_code: bool
 ) -> Manifest:
-    from qserve.backends import llmcompressor as backend
-
+    backend = backend_module(recipe.backend)
     start = time.monotonic()
-    label = f"quantizing {ref.id} to {recipe.scheme} with {recipe.algorithm}"
+    label = f"quantizing {ref.id}: {recipe.label}"
     label += f" on {len(texts)} calibration samples" if texts else " (data-free)"
     with step(label) as timing:
-        backend.quantize(ref.path, recipe, texts, partial, trust_remote_code)
+        scheme = SCHEMES[backend.quantize(ref.path, recipe, texts, partial, trust_remote_code)]
     with step("hashing checkpoint files"):
         files = hash_files(partial)
-    scheme = SCHEMES[recipe.scheme]
     manifest = Manifest(
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),
-        scheme=recipe.scheme,
+        scheme=scheme.name,
         recipe=recipe.model_dump(),
         recipe_source={"path": str(Path(recipe_path).resolve()), "sha256": recipe_sha},
         source_model={"id": ref.id, "path": str(ref.path), "source": ref.source},
@@ -97,7 +97,7 @@ def _run(
         versions=library_versions(),
         vllm_args=VllmArgs(
             quantization=backend.QUANTIZATION_METHOD,
-            kv_cache_dtype="auto",
+            kv_cache_dtype=recipe.kv_cache.dtype if recipe.kv_cache else "auto",
             dtype=recipe.dtype or scheme.vllm_dtype,
             trust_remote_code=trust_remote_code,
         ),
@@ -112,6 +112,11 @@ def _run(
     # The card explains a copied checkpoint; `qserve eval` rewrites it with results. Not hashed.
     write_text(partial / CARD_NAME, model_card(partial, manifest, None))
     return manifest
+
+
+def backend_module(name: str) -> Any:
+    """The module that runs a recipe's backend (imported lazily: each pulls in its library)."""
+    return importlib.import_module(f"qserve.backends.{name}")
 
 
 class _terminate_as_interrupt:
@@ -130,7 +135,7 @@ class _terminate_as_interrupt:
 
 def check_shapes(model_path: Path, recipe: Recipe, trust_remote_code: bool = False) -> None:
     """Fail before calibrating when the recipe cannot apply to the model's layers."""
-    if recipe.group_size is None and not SCHEMES[recipe.scheme].group_quantized:
+    if recipe.scheme is None or (recipe.group_size is None and not SCHEMES[recipe.scheme].group_quantized):
         return
     group = recipe.group_size or _preset_group_size(recipe.scheme)
     if group is None:

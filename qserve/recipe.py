@@ -12,34 +12,78 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from qserve.errors import QserveError
 from qserve.gates import GateSpec
 from qserve.paths import project_data
-from qserve.schemes import SCHEMES, get_scheme
+from qserve.schemes import QUARK_GROUP_SIZES, SCHEMES, get_scheme
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class CalibrationSpec(_Strict):
-    """Local calibration text: one sample per record of a jsonl file."""
+class GenerateSpec(_Strict):
+    """Data-free calibration: the model writes its own text, continuing these seed prompts."""
 
-    source: str | None = Field(None, description="a definition in calibration/ supplying path and text")
-    path: str = Field(description="jsonl file; a relative path resolves against --data-dir")
-    text: str = Field("{text}", description="Python format string over each record's fields")
-    samples: int = Field(64, gt=0)
-    seq_len: int = Field(256, gt=8)
-    seed: int = 0
+    prompts: list[str] = Field(min_length=1, description="seed prompts, used in turn (chat template applied)")
+    max_new_tokens: int = Field(128, gt=0)
+    temperature: float = Field(0.8, ge=0)
+
+
+class DataSource(_Strict):
+    """Where calibration text comes from: a local file, a Hugging Face dataset, or the model itself."""
+
+    source: str | None = Field(None, description="a definition in calibration/ supplying the fields below")
+    description: str = ""
+    path: str | None = Field(None, description="jsonl/json/txt/parquet; a relative path resolves against --data-dir")
+    dataset: str | None = Field(None, description="Hugging Face dataset id (needs network access)")
+    subset: str | None = Field(None, description="the dataset's configuration name")
+    split: str = "train"
+    text: str | None = Field(None, description="Python format string over each record's fields (default {text})")
+    messages: str | None = Field(None, description="field holding chat messages; rendered with the model's chat template")
+    generate: GenerateSpec | None = None
+    weight: float = Field(1.0, gt=0, description="share of the samples in a mix")
 
     @model_validator(mode="before")
     @classmethod
     def _from_source(cls, data: Any) -> Any:
-        """Fill path/text from calibration/<source>.yaml; the recipe's own keys win."""
+        """Fill fields from calibration/<source>.yaml; the recipe's own keys win."""
         if not isinstance(data, dict) or not data.get("source"):
             return data
         defined = calibration_sources()
         if data["source"] not in defined:
             raise ValueError(f"unknown calibration source {data['source']!r}; available: {', '.join(defined) or 'none'}")
-        base = {k: v for k, v in defined[data["source"]].items() if k in ("path", "text")}
-        return base | data
+        return defined[data["source"]] | data
+
+    @model_validator(mode="after")
+    def _one_origin(self) -> DataSource:
+        origins = [k for k in ("path", "dataset", "generate") if getattr(self, k) is not None]
+        if len(origins) > 1:
+            raise ValueError(f"give one of path, dataset or generate, not {' and '.join(origins)}")
+        if not origins and not getattr(self, "mix", None):
+            raise ValueError("needs a source, path, dataset, generate or mix")
+        if self.text is not None and self.messages is not None:
+            raise ValueError("give text or messages, not both")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return "generate" if self.generate else "dataset" if self.dataset else "file"
+
+
+class CalibrationSpec(DataSource):
+    """One data source, or a weighted `mix` of them, plus how much to draw."""
+
+    mix: list[DataSource] | None = Field(None, min_length=1, description="weighted sources; samples split by weight")
+    samples: int = Field(64, gt=0)
+    seq_len: int = Field(256, gt=8)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _mix_alone(self) -> CalibrationSpec:
+        if self.mix and any(getattr(self, k) is not None for k in ("path", "dataset", "generate")):
+            raise ValueError("a mix lists its sources under mix; remove path/dataset/generate from the calibration section")
+        return self
+
+    def sources(self) -> list[DataSource]:
+        return list(self.mix) if self.mix else [self]
 
 
 def calibration_sources() -> dict[str, dict]:
@@ -47,16 +91,35 @@ def calibration_sources() -> dict[str, dict]:
     return {p.stem: yaml.safe_load(p.read_text()) or {} for p in sorted(folder.glob("*.yaml"))}
 
 
+class KvCacheSpec(_Strict):
+    """Quantized KV cache with static per-tensor k/v scales calibrated on the recipe's data."""
+
+    dtype: Literal["fp8"] = Field(description="vLLM kv_cache_dtype the checkpoint will need")
+
+
+# Calibration for plain llm-compressor recipes, which carry none of their own.
+DEFAULT_CALIBRATION = {"source": "gsm8k-train", "samples": 32, "seq_len": 256}
+
+
 class Recipe(_Strict):
     name: str
     description: str = ""
-    backend: Literal["llmcompressor"] = "llmcompressor"
-    scheme: str
-    algorithm: Literal["rtn", "gptq"] = "gptq"
+    model: str | None = Field(None, description="model to quantize (default: the embedded SmolLM2); --model wins")
+    output: str | None = Field(None, description="checkpoint directory (default out-<name>); --output wins")
+    backend: Literal["llmcompressor", "quark"] = "llmcompressor"
+    scheme: str | None = Field(None, description=f"one of {', '.join(SCHEMES)}")
+    modifiers: dict[str, Any] | None = Field(
+        None, description="llm-compressor modifiers or stages, passed to oneshot as is (instead of scheme)"
+    )
+    algorithm: Literal["rtn", "gptq", "awq"] = "rtn"
+    algorithm_options: dict[str, Any] = Field(
+        default_factory=dict, description="extra arguments for the algorithm's llm-compressor modifier, e.g. {n_grid: 10} for awq"
+    )
     group_size: int | None = Field(None, gt=0, description="override the preset's weight group size")
     smoothquant: float | None = Field(None, gt=0, lt=1, description="SmoothQuant strength before quantizing")
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
     calibration: CalibrationSpec | None = None
+    kv_cache: KvCacheSpec | None = None
     gates: dict[str, list[GateSpec]] = Field(
         default_factory=dict,
         description="task -> minimum recovery, or {metric, min_recovery, max_drop, max_increase}, or a list of those",
@@ -67,9 +130,9 @@ class Recipe(_Strict):
 
     @field_validator("scheme")
     @classmethod
-    def _known_scheme(cls, v: str) -> str:
+    def _known_scheme(cls, v: str | None) -> str | None:
         try:
-            return get_scheme(v).name
+            return v and get_scheme(v).name
         except KeyError as exc:
             raise ValueError(exc.args[0]) from None
 
@@ -86,15 +149,46 @@ class Recipe(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> Recipe:
-        scheme = SCHEMES[self.scheme]
-        if self.group_size is not None and not scheme.group_quantized:
-            raise ValueError(f"group_size does not apply to {self.scheme} (per-channel weights)")
-        needs_data = self.algorithm == "gptq" or self.smoothquant is not None
-        if needs_data and self.calibration is None:
+        if (self.scheme is None) == (self.modifiers is None):
+            raise ValueError("give either scheme or modifiers (an llm-compressor recipe)")
+        if self.modifiers is not None:
+            if self.backend != "llmcompressor":
+                raise ValueError("modifiers are llm-compressor's; they need backend: llmcompressor")
+            return self
+        try:
+            scheme = get_scheme(self.scheme, self.backend)
+        except KeyError as exc:
+            raise ValueError(exc.args[0]) from None
+        if self.backend == "quark" and (self.algorithm != "rtn" or self.smoothquant or self.algorithm_options):
             raise ValueError(
-                f"algorithm {self.algorithm!r}{' with smoothquant' if self.smoothquant else ''} needs a calibration section"
+                "with backend quark, qserve runs Quark's plain (rtn) quantization: drop algorithm, algorithm_options, smoothquant"
             )
+        if self.backend == "quark" and scheme.group_quantized and (self.group_size or 128) not in QUARK_GROUP_SIZES:
+            raise ValueError(f"Quark's {self.scheme} takes group_size {', '.join(map(str, QUARK_GROUP_SIZES))}")
+        if self.group_size is not None and not scheme.group_quantized:
+            raise ValueError(f"group_size does not apply to {self.scheme} (fixed or per-channel groups)")
+        if self.algorithm == "awq" and scheme.activations != "fp16":
+            raise ValueError(f"awq protects weight-only schemes; {self.scheme} quantizes activations too")
         return self
+
+    @model_validator(mode="after")
+    def _has_data(self) -> Recipe:
+        reasons = [
+            f"algorithm {self.algorithm}" * (self.algorithm != "rtn"),
+            "smoothquant" * (self.smoothquant is not None),
+            f"{self.scheme}'s static activation scales" * bool(self.scheme and SCHEMES[self.scheme].needs_calibration),
+            "kv_cache scales" * (self.kv_cache is not None),
+        ]
+        reasons = [r for r in reasons if r]
+        if reasons and self.calibration is None:
+            raise ValueError(f"{' and '.join(reasons)} need a calibration section")
+        return self
+
+    @property
+    def label(self) -> str:
+        """What the recipe does, for progress lines."""
+        what = self.scheme or "llm-compressor modifiers"
+        return f"{what} with {self.backend}" + (f" ({self.algorithm})" if self.scheme else "")
 
 
 def load_recipe(path: str | Path) -> tuple[Recipe, str]:
@@ -120,10 +214,23 @@ def parse_recipe(text: str, source: str = "<recipe>") -> Recipe:
         raise QserveError(f"{source}{where}: malformed YAML: {problem}") from None
     if not isinstance(data, dict):
         raise QserveError(f"{source}: a recipe must be a YAML mapping of fields (name, scheme, ...)")
+    if is_llmcompressor_recipe(data):
+        data = wrap_llmcompressor_recipe(data, source)
     try:
         return Recipe.model_validate(data)
     except ValidationError as exc:
         raise QserveError(_describe(exc, node, source)) from None
+
+
+def is_llmcompressor_recipe(data: dict) -> bool:
+    """llm-compressor's own layout: only `<x>_stage:` / `<x>_modifiers:` at the top level."""
+    return bool(data) and all(str(k).endswith(("_stage", "_modifiers")) for k in data)
+
+
+def wrap_llmcompressor_recipe(data: dict, source: str) -> dict:
+    """A plain llm-compressor recipe as a qserve recipe: its modifiers run as is, on default calibration."""
+    name = Path(source).stem if source != "<recipe>" else "llmcompressor-recipe"
+    return {"name": name, "description": "plain llm-compressor recipe", "modifiers": data, "calibration": DEFAULT_CALIBRATION}
 
 
 def _describe(exc: ValidationError, node: yaml.Node | None, source: str) -> str:
@@ -135,9 +242,20 @@ def _describe(exc: ValidationError, node: yaml.Node | None, source: str) -> str:
     field = ".".join(str(p) for p in loc) or "recipe"
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
-        parent = {"calibration": CalibrationSpec, "gates": GateSpec}.get(str(loc[0]), Recipe) if len(loc) > 1 else Recipe
-        msg = f"unknown field; valid fields: {', '.join(parent.model_fields)}"
+        msg = f"unknown field; valid fields: {', '.join(_model_at(loc).model_fields)}"
     return f"{where}: {field}: {msg}"
+
+
+def _model_at(loc: list) -> type[BaseModel]:
+    """The model whose field `loc` names (for listing its valid fields)."""
+    parents = [str(p) for p in loc[:-1] if isinstance(p, str)]
+    if not parents:
+        return Recipe
+    if parents[0] == "gates":
+        return GateSpec
+    return {"generate": GenerateSpec, "mix": DataSource, "calibration": CalibrationSpec, "kv_cache": KvCacheSpec}.get(
+        parents[-1], Recipe
+    )
 
 
 def _line_of(node: yaml.Node | None, loc: list) -> int | None:

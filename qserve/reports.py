@@ -63,6 +63,9 @@ def format_table(summary: dict[str, Any]) -> str:
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines += [f"  {g['task']} {g['metric']}: {g['status']}: {g['reason']}" for g in summary["gates"]]
     lines.append(f"engine parity: {summary['parity']['status'].upper()}: {summary['parity'].get('reason', '')}")
+    kv = summary.get("kv_cache") or {}
+    if kv.get("status") not in (None, "skipped"):
+        lines.append(f"kv cache ({kv['kv_cache_dtype']}): {kv['status'].upper()}: {kv['reason']}")
     cache = summary.get("baseline_cache", {})
     if cache.get("hits"):
         lines.append(f"baseline: cached for {', '.join(cache['hits'])} (--refresh-baseline re-runs it)")
@@ -100,6 +103,15 @@ def markdown_report(summary: dict[str, Any]) -> str:
             f"greedy-token agreement {p['top1_agreement']:.1%} (minimum {t['min_top1_agreement']:.0%}), "
             f"mean |Δ logprob| of vLLM's top tokens {p['mean_abs_logprob_diff']:.4f} nats "
             f"(maximum allowed {t['max_mean_abs_logprob_diff']}; {t['why']}).",
+            "",
+        ]
+    kv = summary.get("kv_cache") or {}
+    if kv.get("status") not in (None, "skipped"):
+        out += [
+            "## KV cache",
+            "",
+            f"**{kv['status'].upper()}**: {kv['reason']} ({kv['kv_cache_dtype']}, {kv['layers']} attention layers; "
+            f"k_scale {kv['k_scale'][0]:.4g}–{kv['k_scale'][1]:.4g}, v_scale {kv['v_scale'][0]:.4g}–{kv['v_scale'][1]:.4g}).",
             "",
         ]
     cache = summary["baseline_cache"]
@@ -179,7 +191,14 @@ def vllm_serve_command(ckpt: Path, manifest: Manifest) -> list[str]:
 def _calibration_line(calib: dict) -> str:
     if not calib:
         return "none (data-free)"
-    return f"{calib.get('samples')} samples of {calib.get('seq_len')} tokens from `{calib.get('path')}` (seed {calib.get('seed')}, texts sha256 {str(calib.get('content_sha256', ''))[:16]}...)"
+    origins = " + ".join(f"{s['samples']} from {_origin(s)}" for s in calib.get("sources", []))
+    return f"{calib.get('samples')} samples of {calib.get('seq_len')} tokens: {origins} (seed {calib.get('seed')}, texts sha256 {str(calib.get('content_sha256', ''))[:16]}...)"
+
+
+def _origin(source: dict) -> str:
+    if source.get("kind") == "generate":
+        return "text the model generated itself"
+    return f"`{source.get('path') or source.get('dataset')}`"
 
 
 def _md_table(rows: list[tuple[str, ...]]) -> list[str]:

@@ -1,33 +1,96 @@
-"""The quantization schemes qserve knows, and what each needs to run in vLLM."""
+"""The quantization schemes qserve knows, which backend makes each, and what each needs to run in vLLM."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+BACKENDS = ("llmcompressor", "quark")
+# vLLM's `quantization` name for the checkpoints each backend writes.
+VLLM_METHOD = {"llmcompressor": "compressed-tensors", "quark": "quark"}
 
 
 @dataclass(frozen=True)
 class Scheme:
-    name: str  # compressed-tensors preset name
+    name: str
     weight_bits: int
-    activations: str  # "fp16" (weight-only), "int8", "fp8"
-    needs_calibration: bool  # true when the algorithm or static scales use data
+    activations: str  # "fp16" (weight-only), "int8", "fp8", "fp4"
+    needs_calibration: bool  # static activation scales, measured on data
     group_quantized: bool  # weights carry a group size
     vllm_dtype: str  # activation dtype recorded for vLLM (the kernels' usual choice)
     summary: str
+    # backend -> that library's own name for the scheme (compressed-tensors preset, Quark template
+    # scheme; Quark spells the weight group size into the name)
+    backends: dict[str, str] = field(default_factory=dict)
 
 
 SCHEMES: dict[str, Scheme] = {
     s.name: s
     for s in (
-        Scheme("FP8_DYNAMIC", 8, "fp8", False, False, "bfloat16", "FP8 weights per channel, dynamic per-token FP8 activations"),
-        Scheme("W8A8", 8, "int8", True, False, "bfloat16", "INT8 weights per channel, dynamic per-token INT8 activations"),
-        Scheme("W4A16", 4, "fp16", True, True, "float16", "INT4 weights in groups, 16-bit activations"),
+        Scheme(
+            "FP8_DYNAMIC", 8, "fp8", False, False, "bfloat16",
+            "FP8 weights per channel, dynamic per-token FP8 activations",
+            {"llmcompressor": "FP8_DYNAMIC"},
+        ),
+        Scheme(
+            "FP8", 8, "fp8", True, False, "bfloat16",
+            "FP8 weights per tensor, static per-tensor FP8 activations (scales calibrated)",
+            {"llmcompressor": "FP8", "quark": "fp8"},
+        ),
+        Scheme(
+            "W8A8", 8, "int8", False, False, "bfloat16",
+            "INT8 weights per channel, dynamic per-token INT8 activations",
+            {"llmcompressor": "W8A8"},
+        ),
+        Scheme(
+            "W4A16", 4, "fp16", False, True, "float16",
+            "INT4 weights in groups, 16-bit activations",
+            {"llmcompressor": "W4A16", "quark": "int4_wo_{group_size}"},
+        ),
+        Scheme(
+            "MXFP4", 4, "fp4", False, False, "bfloat16",
+            "OCP MXFP4 weights and activations (FP4 E2M1, one E8M0 scale per 32 values)",
+            {"llmcompressor": "MXFP4", "quark": "mxfp4"},
+        ),
+        Scheme(
+            "MXFP4A16", 4, "fp16", False, False, "bfloat16",
+            "OCP MXFP4 weights, 16-bit activations",
+            {"llmcompressor": "MXFP4A16"},
+        ),
     )
-}
+}  # fmt: skip
 
 
-def get_scheme(name: str) -> Scheme:
-    try:
-        return SCHEMES[name.upper()]
-    except KeyError:
-        raise KeyError(f"unknown scheme {name!r}; choose one of: {', '.join(SCHEMES)}") from None
+def get_scheme(name: str, backend: str | None = None) -> Scheme:
+    """The scheme called `name` (case-insensitive), checked against `backend` when given."""
+    scheme = SCHEMES.get(name.upper())
+    if scheme is None:
+        raise KeyError(f"unknown scheme {name!r}; choose one of: {', '.join(SCHEMES)}")
+    if backend is not None and backend not in scheme.backends:
+        offered = [s.name for s in SCHEMES.values() if backend in s.backends]
+        raise KeyError(f"scheme {scheme.name} is not available with backend {backend}; it offers: {', '.join(offered)}")
+    return scheme
+
+
+QUARK_GROUP_SIZES = (32, 64, 128)
+
+
+def scheme_of_checkpoint(quantization_config: dict[str, Any]) -> str | None:
+    """Which qserve scheme an exported compressed-tensors config implements (None if none matches).
+
+    Read from the checkpoint itself, so a plain llm-compressor recipe still gets matched vLLM args.
+    """
+    groups = list((quantization_config.get("config_groups") or {}).values())
+    if not groups:
+        return None
+    w, a = groups[0].get("weights") or {}, groups[0].get("input_activations")
+    kind = (w.get("type"), w.get("num_bits"), a and a.get("type"), a and a.get("num_bits"))
+    if kind == ("float", 8, "float", 8):
+        return "FP8_DYNAMIC" if a.get("dynamic") else "FP8"
+    if kind == ("int", 8, "int", 8):
+        return "W8A8"
+    if kind[:2] == ("int", 4) and a is None:
+        return "W4A16"
+    if kind[:2] == ("float", 4) and w.get("group_size") == 32:  # NVFP4 uses 16
+        return "MXFP4" if a else "MXFP4A16"
+    return None

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from qserve import engine
+from qserve import engine, support
 from qserve.errors import QserveError
 from qserve.evaluation import read_eval
 from qserve.manifest import Manifest, manifest_digest, read_manifest, verify_files
@@ -48,8 +48,6 @@ def check_gate(ckpt: Path) -> str:
     return str(result.get("decided_at"))
 
 
-# vLLM flags whose value the checkpoint decides: a contradicting pass-through is an error.
-MATCHED_FLAGS = {"--quantization": "quantization", "-q": "quantization", "--kv-cache-dtype": "kv_cache_dtype", "--dtype": "dtype"}
 # Flags qserve sets from its own options.
 OWNED_FLAGS = {"--host": "--host", "--port": "--port", "--api-key": "--api-key (or QSERVE_API_KEY)"}
 
@@ -66,7 +64,7 @@ def plan(
     """The `vllm serve` command line: matched arguments, device defaults, then the user's extras."""
     args = manifest.vllm_args
     extras = parse_extra_args(extra_args or [])
-    _check_extras(extras, manifest)
+    _check_extras(extras, ckpt, manifest)
     matched = {"--quantization": args.quantization, "--kv-cache-dtype": args.kv_cache_dtype, "--dtype": args.dtype}
     defaults: dict[str, str | None] = {"--served-model-name": ckpt.resolve().name, "--max-model-len": str(engine.MAX_MODEL_LEN)}
     env = dict(os.environ)
@@ -81,7 +79,7 @@ def plan(
     user = {flag for flag, _ in extras}
     options = [(f, v) for f, v in matched.items() if v is not None] + [("--host", host), ("--port", str(port))]
     options += [(f, v) for f, v in defaults.items() if f not in user]
-    options += [(f, v) for f, v in extras if f not in MATCHED_FLAGS]
+    options += [(f, v) for f, v in extras if f not in support.MATCHED_FLAGS]
     cmd = [sys.executable, "-m", "qserve.vllm_cli", "serve", str(ckpt.resolve())]
     for flag, value in options:
         cmd += [flag] if value is None else [flag, value]
@@ -109,18 +107,11 @@ def _looks_like_flag(token: str) -> bool:
     return token.startswith("-") and not token[1:2].isdigit()
 
 
-def _check_extras(extras: list[tuple[str, str | None]], manifest: Manifest) -> None:
-    for flag, value in extras:
+def _check_extras(extras: list[tuple[str, str | None]], ckpt: Path, manifest: Manifest) -> None:
+    for flag, _ in extras:
         if flag in OWNED_FLAGS:
             raise QserveError(f"pass {flag} as qserve's own {OWNED_FLAGS[flag]} option, not after `--`")
-        field = MATCHED_FLAGS.get(flag)
-        if field is None:
-            continue
-        needed = getattr(manifest.vllm_args, field)
-        if value != needed:
-            raise QserveError(
-                f"{flag} {value} contradicts the checkpoint, which needs {flag} {needed} (recorded in its manifest); drop the flag"
-            )
+    support.check_user_args(ckpt, manifest, {f: v or "" for f, v in extras if f in support.MATCHED_FLAGS})
 
 
 def ensure_port_free(host: str, port: int) -> None:

@@ -63,7 +63,7 @@ def test_recipe_quantizes_embedded_model(checkpoints, name: str) -> None:
         assert weights["num_bits"] == 8
     if manifest.calibration:
         assert manifest.calibration["samples"] == 32 and len(manifest.calibration["content_sha256"]) == 64
-        assert manifest.calibration["path"].endswith("gsm8k/train.jsonl")
+        assert manifest.calibration["sources"][0]["path"].endswith("gsm8k/train.jsonl")
     else:
         assert name == "fp8"
     # A 4-bit checkpoint must be much smaller than the float32 source.

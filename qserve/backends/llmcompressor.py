@@ -2,39 +2,75 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+from qserve.errors import QserveError
 from qserve.recipe import Recipe
+from qserve.schemes import SCHEMES, scheme_of_checkpoint
 
 QUANTIZATION_METHOD = "compressed-tensors"  # vLLM's name for checkpoints this backend writes
 
 
-def build_modifiers(recipe: Recipe) -> list[Any]:
-    """The llm-compressor modifiers a qserve recipe stands for."""
-    from compressed_tensors.quantization import preset_name_to_scheme
+def build_modifiers(recipe: Recipe) -> Any:
+    """The llm-compressor modifiers a qserve recipe stands for (a plain recipe's own, as YAML)."""
+    if recipe.modifiers is not None:
+        return _checked_plain_recipe(recipe.modifiers)
+    from compressed_tensors.quantization import QuantizationArgs, preset_name_to_scheme
     from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.modifiers.transform import AWQModifier
     from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
 
-    scheme = preset_name_to_scheme(recipe.scheme, ["Linear"])
+    scheme = preset_name_to_scheme(SCHEMES[recipe.scheme].backends["llmcompressor"], ["Linear"])
     if recipe.group_size is not None:
         scheme.weights.group_size = recipe.group_size
+    quant: dict[str, Any] = {"config_groups": {"group_0": scheme}, "ignore": list(recipe.ignore)}
+    if recipe.kv_cache is not None:
+        # Static per-tensor FP8 k/v scales, observed on the calibration data: vLLM's k_scale/v_scale.
+        quant["kv_cache_scheme"] = QuantizationArgs(num_bits=8, type="float", strategy="tensor", dynamic=False, symmetric=True)
+    options = dict(recipe.algorithm_options)
     modifiers: list[Any] = []
-    if recipe.smoothquant is not None:
-        modifiers.append(SmoothQuantModifier(smoothing_strength=recipe.smoothquant))
-    quant_cls = GPTQModifier if recipe.algorithm == "gptq" else QuantizationModifier
-    modifiers.append(quant_cls(config_groups={"group_0": scheme}, ignore=list(recipe.ignore)))
+    try:
+        if recipe.smoothquant is not None:
+            modifiers.append(SmoothQuantModifier(smoothing_strength=recipe.smoothquant))
+        if recipe.algorithm == "awq":
+            # Current llm-compressor: AWQ only smooths; a quantization modifier after it quantizes.
+            modifiers.append(AWQModifier(**options))
+            options = {}
+        modifiers.append((GPTQModifier if recipe.algorithm == "gptq" else QuantizationModifier)(**quant, **options))
+    except (TypeError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+        raise QserveError(f"algorithm_options for {recipe.algorithm}: {_first_line(exc)}") from None
     return modifiers
 
 
-def quantize(model_path: Path, recipe: Recipe, texts: list[str] | None, out_dir: Path, trust_remote_code: bool = False) -> None:
-    """Run oneshot on the model and save the compressed checkpoint (weights + tokenizer) to out_dir."""
+def _first_line(exc: Exception) -> str:
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    return " ".join(lines[:3]) if lines else type(exc).__name__
+
+
+def _checked_plain_recipe(modifiers: dict[str, Any]) -> str:
+    """Validate an llm-compressor recipe with llm-compressor itself; return it as YAML for oneshot."""
+    import yaml
+    from llmcompressor.recipe import Recipe as LlmcRecipe
+
+    text = yaml.safe_dump(modifiers, sort_keys=False)
+    try:
+        LlmcRecipe.create_instance(text)
+    except Exception as exc:  # llm-compressor raises ValueError, KeyError, pydantic errors
+        raise QserveError(f"llm-compressor rejected the recipe's modifiers: {_first_line(exc)}") from None
+    return text
+
+
+def quantize(model_path: Path, recipe: Recipe, texts: list[str] | None, out_dir: Path, trust_remote_code: bool = False) -> str:
+    """Run oneshot on the model, save the compressed checkpoint to out_dir; returns the scheme it holds."""
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from qserve.calibration import tokenized_dataset
 
+    modifiers = build_modifiers(recipe)
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype="auto", trust_remote_code=trust_remote_code)
     kwargs: dict[str, Any] = {}
@@ -49,6 +85,36 @@ def quantize(model_path: Path, recipe: Recipe, texts: list[str] | None, out_dir:
             # Layer by layer: calibration memory stays bounded by one decoder layer.
             pipeline="sequential",
         )
-    oneshot(model=model, recipe=build_modifiers(recipe), **kwargs)
+    _no_pinned_memory_without_accelerator()
+    oneshot(model=model, recipe=modifiers, **kwargs)
     model.save_pretrained(out_dir, save_compressed=True)
     tokenizer.save_pretrained(out_dir)
+    return exported_scheme(out_dir, recipe)
+
+
+def _no_pinned_memory_without_accelerator() -> None:
+    """llm-compressor 0.14's AWQ pins cached activations for faster GPU copies; pinning needs an
+    accelerator, so on a CPU-only machine it raises. Pinning buys nothing there: skip it."""
+    import torch
+    from llmcompressor.pipelines.cache import IntermediatesCache
+
+    if not torch.accelerator.is_available():
+        IntermediatesCache.pin_memory = lambda self, batch_index, input_names=None: None
+
+
+def exported_scheme(out_dir: Path, recipe: Recipe) -> str:
+    """The scheme the written checkpoint implements; it must be the one the recipe asked for."""
+    config = json.loads((out_dir / "config.json").read_text()).get("quantization_config") or {}
+    found = scheme_of_checkpoint(config)
+    if found is None:
+        raise QserveError(
+            f"the recipe produced a quantization qserve cannot match to vLLM arguments; supported schemes: {', '.join(SCHEMES)}"
+        )
+    if recipe.scheme is not None and found != recipe.scheme:
+        raise QserveError(f"llm-compressor wrote a {found} checkpoint, but the recipe asked for {recipe.scheme}")
+    return found
+
+
+def has_kv_scales(config: dict[str, Any]) -> bool:
+    """Whether an exported compressed-tensors config carries calibrated KV-cache scales."""
+    return bool(config.get("kv_cache_scheme"))

