@@ -95,26 +95,9 @@ def evaluate(
     keys = {n: baselines.task_key(model_hash, cfg, limit, base_kwargs, device.kind) for n, cfg in configs.items()}
     cached = {} if refresh_baseline else {n: e for n, k in keys.items() if (e := baselines.lookup(k))}
 
-    def on_engine(lm: Any) -> dict[str, Any]:
-        """Work that shares the quantized engine lm-eval used: parity prompts, decode speed."""
-        return {
-            "generations": parity.vllm_generations(lm) if check_parity else None,
-            "decode": engine.decode_throughput(lm) if measure_decode else None,
-            "kv_cache": engine.check_kv_scales(engine.kv_scales(lm), manifest.vllm_args.kv_cache_dtype),
-        }
-
-    configs_list = list(configs.values())
-    label = "the quantized checkpoint"
-    quant = run_lm_eval(ckpt, manifest.vllm_args, device, configs_list, limit, label, None if emulated else on_engine, emulated)
-    extra = quant.extra or {"generations": None, "decode": None, "kv_cache": _skipped("emulated: no vLLM engine")}
-    if emulated:
-        parity_result = _skipped("emulated: vLLM cannot run this scheme here, so there is no engine to compare")
-    elif check_parity:
-        parity_result = _parity(ckpt, manifest, extra["generations"])
-    else:
-        parity_result = _skipped("--no-parity")
-    if extra["kv_cache"]["status"] == "fail":
-        info(f"KV CACHE CHECK FAILED: {extra['kv_cache']['reason']}")
+    quant, parity_result, extra = _quantized_run(
+        ckpt, manifest, device, list(configs.values()), limit, emulated, check_parity, measure_decode
+    )
     label = f"the baseline {manifest.source_model['id']}"
     base = _baseline_run(baseline.path, label, base_args, device, configs, limit, keys, cached, emulated)
 
@@ -157,6 +140,39 @@ def evaluate(
     }
     reports.write_all(ckpt, manifest, summary, {"quantized": quant.raw, "baseline": base.raw})
     return summary
+
+
+def _quantized_run(
+    ckpt: Path,
+    manifest: Manifest,
+    device: engine.Device,
+    configs: list[dict],
+    limit: int | None,
+    emulated: bool,
+    check_parity: bool,
+    measure_decode: bool,
+) -> tuple[EngineRun, dict[str, Any], dict[str, Any]]:
+    """lm-eval on the checkpoint, plus what shares its vLLM engine: parity, decode speed, KV scales."""
+
+    def on_engine(lm: Any) -> dict[str, Any]:
+        return {
+            "generations": parity.vllm_generations(lm) if check_parity else None,
+            "decode": engine.decode_throughput(lm) if measure_decode else None,
+            "kv_cache": engine.check_kv_scales(engine.kv_scales(lm), manifest.vllm_args.kv_cache_dtype),
+        }
+
+    label = "the quantized checkpoint"
+    quant = run_lm_eval(ckpt, manifest.vllm_args, device, configs, limit, label, None if emulated else on_engine, emulated)
+    extra = quant.extra or {"generations": None, "decode": None, "kv_cache": _skipped("emulated: no vLLM engine")}
+    if emulated:
+        parity_result = _skipped("emulated: vLLM cannot run this scheme here, so there is no engine to compare")
+    elif check_parity:
+        parity_result = _parity(ckpt, manifest, extra["generations"])
+    else:
+        parity_result = _skipped("--no-parity")
+    if extra["kv_cache"]["status"] == "fail":
+        info(f"KV CACHE CHECK FAILED: {extra['kv_cache']['reason']}")
+    return quant, parity_result, extra
 
 
 def _skipped(reason: str) -> dict[str, str]:

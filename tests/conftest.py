@@ -83,7 +83,7 @@ def recipe_for_tests(name: str, root: Path) -> Path:
         return path
     text = path.read_text().replace("samples: 32", "samples: 8").replace("seq_len: 256", "seq_len: 128")
     if "algorithm: awq" in text:
-        text += "algorithm_options: {n_grid: 5}\n"
+        text += "algorithm_options: {n_grid: 3}\n"
     shrunk = root / f"{name}.yaml"
     shrunk.write_text(text)
     return shrunk

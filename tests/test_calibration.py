@@ -113,7 +113,8 @@ def test_corrupt_parquet_is_one_clear_error(tmp_path: Path) -> None:
 
 
 def test_hub_dataset_offline_is_one_clear_error(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # fail at once rather than after network retries
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
     with pytest.raises(QserveError, match=r"could not load calibration dataset openai/gsm8k \(main\) split train: "):
         load_texts(spec(dataset="openai/gsm8k", subset="main", text="{question}"), tmp_path)

@@ -116,10 +116,9 @@ def test_changed_settings_and_refresh_rerun_the_baseline(checkpoints, tmp_path: 
     stderr, refreshed = run("--limit", "3", "--refresh-baseline")
     assert BASELINE_ENGINE in stderr
     assert refreshed["baseline_cache"] == {"hits": [], "misses": ["gsm8k_ppl"], "refresh": True}
-    # The cache held the real score: re-running the baseline gives the same number.
+    # The cache held the real score: re-running the baseline gives the same number. (A hit after
+    # this is test_eval_gate_fails_on_cached_baseline's subject.)
     assert refreshed["gates"][0]["baseline"] == pytest.approx(first["gates"][0]["baseline"], rel=1e-4)
-    stderr, cached = run("--limit", "3")
-    assert BASELINE_ENGINE not in stderr and cached["baseline_cache"]["hits"] == ["gsm8k_ppl"]
 
 
 def _damage_scales(ckpt: Path, spread: float = 0.05) -> None:
