@@ -71,10 +71,12 @@ def _user_errors(fn):
 @app.command()
 @_user_errors
 def quantize(
-    recipe: Annotated[Path, typer.Argument(help="Recipe YAML, e.g. recipes/w4a16-gptq.yaml.")],
+    recipe: Annotated[
+        Path, typer.Argument(help="Recipe YAML (qserve's or a plain llm-compressor recipe), e.g. recipes/w4a16-gptq.yaml.")
+    ],
     model: ModelOpt = None,
     output: Annotated[
-        Path | None, typer.Option("--output", "-o", help="Checkpoint directory. Default: out-<recipe name>.")
+        Path | None, typer.Option("--output", "-o", help="Checkpoint directory. Default: the recipe's output, else out-<name>.")
     ] = None,
     data_dir: DataDirOpt = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output directory.")] = False,
@@ -82,7 +84,13 @@ def quantize(
         bool, typer.Option("--trust-remote-code", help="Run the model repo's own Python code (off by default).")
     ] = False,
 ) -> None:
-    """Quantize a model with a recipe and export a safetensors checkpoint plus qserve_manifest.json."""
+    """Quantize a model with a recipe and export a safetensors checkpoint plus qserve_manifest.json.
+
+    The recipe picks the backend (llm-compressor or AMD Quark), the scheme (FP8_DYNAMIC, FP8, W8A8,
+    W4A16, MXFP4, MXFP4A16), the algorithm (rtn, gptq, awq), an optional FP8 KV cache, and the
+    calibration data (files, a hub dataset, a weighted mix, or text the model writes itself). See
+    recipes/ for one of each; the manifest records the vLLM arguments the checkpoint needs.
+    """
     from qserve.quantize import quantize as run
 
     with _results_only_on_stdout():

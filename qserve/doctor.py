@@ -69,9 +69,7 @@ def scheme_matrix(kind: str) -> list[dict[str, Any]]:
     rows = []
     for scheme in SCHEMES.values():
         for backend in scheme.backends:
-            method = VLLM_METHOD[backend]
-            s = support.CPU.get((method, scheme.name)) if kind == "cpu" else None
-            s = s or support.Support(True, "not measured by qserve on GPUs; vLLM checks the compute capability at load")
+            s = support.support_for(VLLM_METHOD[backend], scheme.name, kind)
             rows.append(
                 {
                     "backend": backend,

@@ -18,7 +18,7 @@ from qserve.errors import QserveError
 from qserve.manifest import Manifest, VllmArgs, hash_files, library_versions, write_manifest
 from qserve.models import ModelRef, resolve_model
 from qserve.progress import info, step
-from qserve.recipe import Recipe, load_recipe
+from qserve.recipe import DEFAULT_CALIBRATION, CalibrationSpec, Recipe, load_recipe
 from qserve.reports import CARD_NAME, model_card, write_text
 from qserve.schemes import SCHEMES
 
@@ -50,6 +50,7 @@ def quantize(
         raise QserveError(f"output {out} already exists; pass --force to replace it or --output to choose another")
     ref = resolve_model(model or recipe.model)
     check_shapes(ref.path, recipe, trust_remote_code)
+    recipe = with_default_calibration(recipe)
 
     texts, calib_record = None, None
     if recipe.calibration is not None:
@@ -112,6 +113,18 @@ def _run(
     # The card explains a copied checkpoint; `qserve eval` rewrites it with results. Not hashed.
     write_text(partial / CARD_NAME, model_card(partial, manifest, None))
     return manifest
+
+
+def with_default_calibration(recipe: Recipe) -> Recipe:
+    """llm-compressor modifiers that calibrate but came without data get qserve's default source."""
+    if recipe.calibration is not None or recipe.modifiers is None:
+        return recipe
+    from qserve.backends.llmcompressor import modifiers_need_data
+
+    if not modifiers_need_data(recipe.modifiers):
+        return recipe
+    info(f"the recipe's modifiers calibrate; using the default calibration {DEFAULT_CALIBRATION}")
+    return recipe.model_copy(update={"calibration": CalibrationSpec.model_validate(DEFAULT_CALIBRATION)})
 
 
 def backend_module(name: str) -> Any:

@@ -97,7 +97,7 @@ class KvCacheSpec(_Strict):
     dtype: Literal["fp8"] = Field(description="vLLM kv_cache_dtype the checkpoint will need")
 
 
-# Calibration for plain llm-compressor recipes, which carry none of their own.
+# Calibration for llm-compressor modifiers that need data but came without any (plain recipes).
 DEFAULT_CALIBRATION = {"source": "gsm8k-train", "samples": 32, "seq_len": 256}
 
 
@@ -228,9 +228,9 @@ def is_llmcompressor_recipe(data: dict) -> bool:
 
 
 def wrap_llmcompressor_recipe(data: dict, source: str) -> dict:
-    """A plain llm-compressor recipe as a qserve recipe: its modifiers run as is, on default calibration."""
+    """A plain llm-compressor recipe as a qserve recipe: its modifiers run as is (calibration: see quantize)."""
     name = Path(source).stem if source != "<recipe>" else "llmcompressor-recipe"
-    return {"name": name, "description": "plain llm-compressor recipe", "modifiers": data, "calibration": DEFAULT_CALIBRATION}
+    return {"name": name, "description": "plain llm-compressor recipe", "modifiers": data}
 
 
 def _describe(exc: ValidationError, node: yaml.Node | None, source: str) -> str:

@@ -54,12 +54,16 @@ CPU_DTYPE_FIXES = {
 }
 
 
-def vllm_support(manifest: Manifest, kind: str) -> Support:
-    """Whether vLLM runs this checkpoint's scheme on a device of `kind` ("cpu" or "cuda")."""
+def support_for(method: str, scheme: str, kind: str) -> Support:
+    """Whether vLLM runs `scheme` written as `method` (its quantization name) on a `kind` device."""
     if kind != "cpu":
         return Support(True, "not measured by qserve on GPUs; vLLM checks the compute capability at load")
-    key = (manifest.vllm_args.quantization or "none", manifest.scheme)
-    return CPU.get(key, Support(False, f"{key[0]} {key[1]} was never run on vLLM-CPU by qserve", "a GPU"))
+    return CPU.get((method, scheme), Support(False, f"{method} {scheme} was never run on vLLM-CPU by qserve", "a GPU"))
+
+
+def vllm_support(manifest: Manifest, kind: str) -> Support:
+    """Whether vLLM runs this checkpoint's scheme on a device of `kind` ("cpu" or "cuda")."""
+    return support_for(manifest.vllm_args.quantization or "none", manifest.scheme, kind)
 
 
 def check_dtype(manifest: Manifest, kind: str, detail: str) -> None:

@@ -24,16 +24,17 @@ def test_quantized_layers_shrink_as_the_scheme_says(checkpoints) -> None:
 @pytest.mark.slow
 def test_compare_reuses_checkpoints_and_writes_table_plot_json(checkpoints, passed_eval, tmp_path: Path) -> None:
     out = tmp_path / "cmp"
-    for name in ("fp8", "w8a8-int8"):
+    # W4A16 rather than FP8: FP8 decodes at 0.11x on this CPU, and the decode measurement is the slow part.
+    for name in ("w4a16-gptq", "w8a8-int8"):
         copy_checkpoint(checkpoints[name], out / f"out-{name}")
-    recipes = [REPO / "recipes" / "fp8.yaml", REPO / "recipes" / "w8a8-int8.yaml"]
+    recipes = [REPO / "recipes" / "w4a16-gptq.yaml", REPO / "recipes" / "w8a8-int8.yaml"]
     proc = run_qserve("compare", *recipes, "--tasks", "gsm8k_ppl", "--limit", str(EVAL_LIMIT), "--out-dir", out)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "fp8: reusing" in proc.stderr and "w8a8-int8: reusing" in proc.stderr
+    assert "w4a16-gptq: reusing" in proc.stderr and "w8a8-int8: reusing" in proc.stderr
     assert "quantizing" not in proc.stderr and "lm-eval on the baseline" not in proc.stderr  # cached baseline
     result = json.loads((out / "compare.json").read_text())
     rows = {r["recipe"]: r for r in result["recipes"]}
-    assert set(rows) == {"fp8", "w8a8-int8"}
+    assert set(rows) == {"w4a16-gptq", "w8a8-int8"}
     for r in rows.values():
         assert r["gates"][0]["task"] == "gsm8k_ppl" and r["gates"][0]["recovery"] > 0.5
         assert r["decode_tokens_per_second"] > 0 and 0 < r["size_vs_bf16"] < 1

@@ -120,7 +120,25 @@ def test_plain_llmcompressor_recipe_is_accepted_as_is() -> None:
     r = parse_recipe(PLAIN, "recipes/my-gptq.yaml")
     assert (r.name, r.backend, r.scheme) == ("my-gptq", "llmcompressor", None)
     assert r.modifiers["quant_stage"]["quant_modifiers"]["GPTQModifier"]["ignore"] == ["lm_head"]
-    assert (r.calibration.source, r.calibration.samples) == ("gsm8k-train", 32)  # qserve's default for plain recipes
+    assert r.calibration is None  # quantize adds the default only if the modifiers calibrate
+
+
+def test_plain_recipe_gets_default_calibration_only_when_its_modifiers_calibrate() -> None:
+    from qserve.quantize import with_default_calibration
+
+    gptq = with_default_calibration(parse_recipe(PLAIN))
+    assert (gptq.calibration.source, gptq.calibration.samples, gptq.calibration.seq_len) == ("gsm8k-train", 32, 256)
+    dynamic = parse_recipe((REPO / "recipes" / "llmcompressor-fp8-dynamic.yaml").read_text())
+    assert with_default_calibration(dynamic).calibration is None  # FP8 dynamic is data-free
+    static = parse_recipe(
+        PLAIN.replace("GPTQModifier", "QuantizationModifier")
+        .replace("num_bits: 4, type: int", "num_bits: 8, type: float")
+        .replace(
+            "strategy: group, group_size: 64",
+            "strategy: tensor}\n          input_activations: {num_bits: 8, type: float, strategy: tensor, dynamic: false",
+        )
+    )
+    assert with_default_calibration(static).calibration is not None  # static activation scales need data
 
 
 def test_plain_recipe_modifiers_are_checked_by_llmcompressor() -> None:

@@ -191,3 +191,19 @@ def test_doctor_reports_versions_device_and_matrix() -> None:
     assert rows[("quark", "MXFP4")]["serve"].startswith("refused: needs a GPU")
     text = run_qserve("doctor").stdout
     assert "schemes on this device (measured" in text and "vLLM cannot" in text
+
+
+def test_compare_table_and_plot_label_emulated_rows(tmp_path: Path) -> None:
+    from qserve.compare import format_compare, plot
+
+    base = {"model": "m", "dtype": "float32", "bf16_size_bytes": 2**28, "decode_tokens_per_second": 300.0}
+    gate = {"task": "gsm8k_ppl", "metric": "word_perplexity,none", "recovery": 0.1, "degradation": 9.0, "status": "fail"}
+    row = {
+        "recipe": "mxfp4", "scheme": "MXFP4", "verdict": "fail", "emulated": True, "gates": [gate], "parity": "skipped",
+        "size_bytes": 2**27, "size_vs_bf16": 0.5, "decode_tokens_per_second": None,
+    }  # fmt: skip
+    result = {"baseline": base, "recipes": [row], "files": {"plot": "p.png", "json": "c.json"}}
+    line = format_compare(result).splitlines()[3]
+    assert "FAIL (emulated)" in line and line.split()[-2:] == ["n/a", "n/a"]  # no serving speed to show
+    plot(result, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 10_000

@@ -53,14 +53,37 @@ def _first_line(exc: Exception) -> str:
 def _checked_plain_recipe(modifiers: dict[str, Any]) -> str:
     """Validate an llm-compressor recipe with llm-compressor itself; return it as YAML for oneshot."""
     import yaml
-    from llmcompressor.recipe import Recipe as LlmcRecipe
 
     text = yaml.safe_dump(modifiers, sort_keys=False)
+    _instantiate(text)
+    return text
+
+
+def _instantiate(text: str) -> list[Any]:
+    from llmcompressor.recipe import Recipe as LlmcRecipe
+
     try:
-        LlmcRecipe.create_instance(text)
+        return list(LlmcRecipe.create_instance(text).modifiers)
     except Exception as exc:  # llm-compressor raises ValueError, KeyError, pydantic errors
         raise QserveError(f"llm-compressor rejected the recipe's modifiers: {_first_line(exc)}") from None
-    return text
+
+
+def modifiers_need_data(modifiers: dict[str, Any]) -> bool:
+    """Whether llm-compressor modifiers calibrate: anything but plain quantization with only
+    weight-only or dynamic activations and no KV-cache scales (as llm-compressor resolves them)."""
+    import yaml
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    for modifier in _instantiate(yaml.safe_dump(modifiers, sort_keys=False)):
+        if type(modifier) is not QuantizationModifier:
+            return True  # GPTQ, AWQ, SmoothQuant, ...: data-driven by design
+        config = modifier.resolve_quantization_config()
+        if config.kv_cache_scheme is not None:
+            return True
+        acts = [g.input_activations for g in config.config_groups.values() if g.input_activations is not None]
+        if any(not a.dynamic for a in acts):
+            return True
+    return False
 
 
 def quantize(model_path: Path, recipe: Recipe, texts: list[str] | None, out_dir: Path, trust_remote_code: bool = False) -> str:
