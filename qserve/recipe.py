@@ -57,7 +57,7 @@ class DataSource(_Strict):
         origins = [k for k in ("path", "dataset", "generate") if getattr(self, k) is not None]
         if len(origins) > 1:
             raise ValueError(f"give one of path, dataset or generate, not {' and '.join(origins)}")
-        if not origins and not getattr(self, "mix", None):
+        if not origins and not getattr(self, "mix", None):  # CalibrationSpec adds `mix`
             raise ValueError("needs a source, path, dataset, generate or mix")
         if self.text is not None and self.messages is not None:
             raise ValueError("give text or messages, not both")
