@@ -136,8 +136,3 @@ def exported_scheme(out_dir: Path, recipe: Recipe) -> str:
     if recipe.scheme is not None and found != recipe.scheme:
         raise QserveError(f"llm-compressor wrote a {found} checkpoint, but the recipe asked for {recipe.scheme}")
     return found
-
-
-def has_kv_scales(config: dict[str, Any]) -> bool:
-    """Whether an exported compressed-tensors config carries calibrated KV-cache scales."""
-    return bool(config.get("kv_cache_scheme"))

@@ -64,7 +64,3 @@ def quantize(model_path: Path, recipe: Recipe, texts: list[str] | None, out_dir:
     if method != QUANTIZATION_METHOD:
         raise QserveError(f"Quark exported quant_method {method!r}, not 'quark'; vLLM's Quark loader would not recognise it")
     return recipe.scheme or ""
-
-
-def has_kv_scales(config: dict[str, Any]) -> bool:
-    return bool(config.get("kv_cache_quant_config"))
