@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from qserve.errors import EXIT_ERROR, EXIT_GATE_FAILED, EXIT_GATE_INCONCLUSIVE, QserveError
+from qserve.errors import EXIT_ERROR, EXIT_GATE_FAILED, EXIT_GATE_INCONCLUSIVE, QserveError, Stopped
 
 app = typer.Typer(
     name="qserve",
@@ -27,6 +27,17 @@ app = typer.Typer(
 ModelOpt = Annotated[
     str | None,
     typer.Option("--model", "-m", help="Local HF checkpoint dir or hub id. Default: the embedded SmolLM2-135M-Instruct."),
+]
+ReadyTimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        "--ready-timeout",
+        min=1,
+        help="Seconds the vLLM server may take to answer its first request; then it is stopped (exit 1).",
+    ),
+]
+VerboseOpt = Annotated[
+    bool, typer.Option("--verbose", "-v", help="Also show vLLM's own output live (it always goes to the log file).")
 ]
 DataDirOpt = Annotated[
     Path | None,
@@ -60,6 +71,9 @@ def _user_errors(fn):
         except KeyboardInterrupt:
             typer.echo("interrupted", err=True)
             raise typer.Exit(130) from None
+        except Stopped as exc:  # the vLLM process group is already gone
+            typer.echo(str(exc), err=True)
+            raise typer.Exit(128 + exc.signum) from None
         except OSError as exc:  # full disk, permissions: the user's to fix, not a crash
             where = f": {exc.filename}" if exc.filename else ""
             typer.echo(f"error: {exc.strerror or exc}{where}", err=True)
@@ -179,16 +193,25 @@ def serve(
         bool, typer.Option("--skip-gate", help="Serve even without a passing gate (not for production).")
     ] = False,
     api_key: Annotated[str | None, typer.Option("--api-key", envvar="QSERVE_API_KEY", help="Require this bearer token.")] = None,
+    ready_timeout: ReadyTimeoutOpt = 900.0,
+    verbose: VerboseOpt = False,
 ) -> None:
     """Start vLLM's OpenAI-compatible server with the checkpoint's quantization, kv_cache_dtype and dtype.
 
     Extra vLLM options go after `--`, e.g. `qserve serve CKPT -- --tensor-parallel-size 2 --max-model-len 4096`;
     they may not contradict the checkpoint's --quantization, --kv-cache-dtype or --dtype.
+
+    The endpoint is printed only once the server has answered one short generation request.
+    vLLM's output goes to CKPT/logs/serve.log. Ctrl-C or SIGTERM stops the server's whole process
+    group: SIGTERM first, SIGKILL for anything still alive 15 s later; exit 130 (SIGINT) or 143 (SIGTERM).
     """
     from qserve.serving import serve as run
 
     _vllm_logs_to_stderr()  # stdout: the endpoint and curl lines only
-    raise typer.Exit(run(checkpoint, host=host, port=port, skip_gate=skip_gate, api_key=api_key, extra_args=list(ctx.args)))
+    run(
+        checkpoint, host=host, port=port, skip_gate=skip_gate, api_key=api_key, extra_args=list(ctx.args),
+        ready_timeout=ready_timeout, verbose=verbose,
+    )  # fmt: skip
 
 
 @app.command()

@@ -76,8 +76,9 @@ def scheme_matrix(kind: str) -> list[dict[str, Any]]:
                     "scheme": scheme.name,
                     "vllm_runs": s.runs,
                     "eval": "vLLM" if s.runs else "transformers (emulated)",
-                    "serve": "yes" if s.runs else f"refused: needs {s.needs}",
+                    "serve": _serve_column(s),
                     "evidence": s.evidence,
+                    "serve_evidence": s.serve_evidence,
                 }
             )
     kv = support.CPU_KV_CACHE if kind == "cpu" else None
@@ -88,11 +89,18 @@ def scheme_matrix(kind: str) -> list[dict[str, Any]]:
                 "scheme": "FP8 KV cache",
                 "vllm_runs": kv.runs,
                 "eval": "vLLM",
-                "serve": "yes",
+                "serve": _serve_column(kv),
                 "evidence": kv.evidence,
+                "serve_evidence": kv.serve_evidence,
             }
         )
     return rows
+
+
+def _serve_column(s: support.Support) -> str:
+    if not s.runs:
+        return f"refused: needs {s.needs}"
+    return "yes" if s.serves else "refused: only the eval engine was seen to run it"
 
 
 def format_report(report: dict[str, Any]) -> str:

@@ -11,3 +11,13 @@ class QserveError(Exception):
 
 class UnsupportedOnDevice(QserveError):
     """vLLM cannot run this checkpoint correctly on the current device."""
+
+
+class Stopped(Exception):
+    """SIGINT or SIGTERM asked qserve to stop; the CLI exits 128 + the signal number (130, 143)."""
+
+    def __init__(self, signum: int) -> None:
+        import signal
+
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")

@@ -41,3 +41,11 @@ def project_data(name: str) -> Path:
         if candidate.is_dir():
             return candidate
     raise FileNotFoundError(f"qserve's {name}/ folder is missing from the installation")
+
+
+def log_file(ckpt: Path, name: str) -> Path:
+    """`<checkpoint>/logs/<name>.log`; under the cache when the checkpoint cannot be written."""
+    logs = ckpt.resolve() / "logs"
+    if os.access(logs if logs.is_dir() else ckpt.resolve(), os.W_OK):
+        return logs / f"{name}.log"
+    return cache_dir() / "logs" / ckpt.resolve().name / f"{name}.log"

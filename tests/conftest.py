@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ DATA_DIR = Path(os.environ.get("QSERVE_DATA_DIR", REPO.parent / "shared" / "data
 CACHE_DIR = Path(os.environ.get("QSERVE_TEST_CACHE", REPO / ".qserve-test-cache")).resolve()
 QSERVE = [sys.executable, "-m", "qserve.cli"]
 EVAL_LIMIT = 10
+API_KEY = "test-key-123"
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -101,3 +103,37 @@ def passed_eval(checkpoints) -> tuple[Path, dict]:
     proc = run_qserve("eval", ckpt, "--tasks", "gsm8k_ppl,gsm8k,gsm8k_mc", "--limit", str(EVAL_LIMIT), "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return ckpt, json.loads(proc.stdout)
+
+
+class Server:
+    """`qserve serve CKPT` as a user runs it (with an API key), read until its endpoint line."""
+
+    def __init__(self, ckpt: Path, *args: str) -> None:
+        self.ckpt, self.port = ckpt, free_port()
+        env = {**os.environ, "QSERVE_API_KEY": API_KEY}
+        self.proc = subprocess.Popen(
+            [*QSERVE, "serve", ckpt, "--port", str(self.port), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
+        self.timer = threading.Timer(900, self.proc.terminate)  # never hang the suite
+        self.timer.start()
+        self.ready_line = self.proc.stdout.readline()
+        self.curl_line = self.proc.stdout.readline()
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+
+    def client(self, api_key: str = API_KEY):
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.base_url, api_key=api_key, timeout=120, max_retries=0)
+
+    def close(self) -> None:
+        """SIGTERM, so qserve takes vLLM's whole process group down with it (a SIGKILL would orphan it)."""
+        from qserve.process import GRACE_SECONDS
+
+        self.timer.cancel()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=GRACE_SECONDS + 30)

@@ -1,0 +1,109 @@
+"""Child process groups that qserve owns (vLLM servers, probes): a stop ends them in bounded time.
+
+A child runs in its own session, so its process group holds the vLLM API server and the
+engine-core and worker processes it spawns. SIGINT or SIGTERM to qserve sends SIGTERM to that
+group; whatever is still alive `GRACE_SECONDS` later is killed with SIGKILL and reaped, and
+qserve exits 130 (SIGINT) or 143 (SIGTERM). A child that ignores SIGTERM cannot hold qserve.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from qserve.errors import Stopped
+
+GRACE_SECONDS = 15.0
+_POLL = 0.2
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes in process group `pgid`, read from /proc."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # the process ended while we looked
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(stat.parent.name))
+    return members
+
+
+class ProcessGroup:
+    """Start `command` in a new session; SIGINT/SIGTERM to qserve stop the whole group within the grace.
+
+    Polling loops call `check_stop()` (raises Stopped once a stop was requested and the group is
+    gone); `wait()` waits for the child or a stop; `close()` stops the group if it still runs and
+    restores the signal handlers.
+    """
+
+    def __init__(
+        self,
+        command: list[str],
+        env: dict[str, str] | None = None,
+        stdout: IO[Any] | int | None = None,
+        stderr: IO[Any] | int | None = subprocess.STDOUT,
+        grace: float = GRACE_SECONDS,
+    ) -> None:
+        self.grace = grace
+        self.signum: int | None = None
+        self.proc = subprocess.Popen(command, env=env, stdout=stdout, stderr=stderr, start_new_session=True)
+        self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        # Only the first signal counts: a second Ctrl-C must not turn a clean stop into a crash.
+        if self.signum is None:
+            self.signum = signum
+            self._send(signal.SIGTERM)
+
+    def _send(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass  # the whole group has already gone
+
+    def running(self) -> bool:
+        self.proc.poll()  # reap the leader, so it does not count as alive
+        return bool(group_members(self.proc.pid))
+
+    def stop(self) -> None:
+        """SIGTERM the group, give it the grace period, then SIGKILL whatever is left; reap the child."""
+        self._send(signal.SIGTERM)
+        deadline = time.monotonic() + self.grace
+        while self.running() and time.monotonic() < deadline:
+            time.sleep(_POLL)
+        if self.running():
+            self._send(signal.SIGKILL)
+        self.proc.wait()
+        while group_members(self.proc.pid) and time.monotonic() < deadline + 5:
+            time.sleep(_POLL)  # SIGKILL is not instant for a process in the kernel
+
+    def check_stop(self) -> None:
+        if self.signum is not None:
+            self.stop()
+            raise Stopped(self.signum)
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """The child's exit code (None after `timeout` seconds); raises Stopped when a signal asked qserve to stop."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while deadline is None or time.monotonic() < deadline:
+            self.check_stop()
+            code = self.proc.poll()
+            if code is not None:
+                return code
+            time.sleep(_POLL)
+        return None
+
+    def close(self) -> None:
+        if self.running():
+            self.stop()
+        self.proc.wait()
+        for sig, handler in self._old.items():
+            # After a signalled stop, ignore repeats: SIG_IGN survives interpreter shutdown,
+            # which resets Python-level handlers to the default (a late Ctrl-C would kill us).
+            signal.signal(sig, signal.SIG_IGN if self.signum is not None else handler)

@@ -1,0 +1,172 @@
+"""Stop means stop: a vLLM process group that ignores SIGTERM is killed within the grace period.
+
+The stand-in server is a real child process group run through qserve's own `serving.running()`
+and CLI error handling (the driver below): its leader and a grandchild ignore SIGTERM, as a stuck
+vLLM engine does. A signal to qserve must end it all within GRACE_SECONDS, with exit 130 or 143.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import QSERVE, REPO, free_port
+
+from qserve.process import GRACE_SECONDS, group_members
+
+# A server that ignores SIGTERM and spawns a grandchild that does too. MODE: "never" (never
+# healthy), "ok" (answers /health and completions), "fail" (completions answer HTTP 500).
+CHILD = r"""
+import http.server, json, os, signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+mode, port, pids = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+grandchild = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+open(pids, "w").write(f"{os.getpid()} {grandchild.pid}")
+print("stand-in server starting", flush=True)
+if mode == "never":
+    time.sleep(600)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def do_POST(self):
+        code = 500 if mode == "fail" else 200
+        body = {"error": {"message": "boom: no kernel"}} if mode == "fail" else {"choices": [{"text": " hi"}]}
+        data = json.dumps(body).encode()
+        self.send_response(code); self.send_header("Content-Length", str(len(data))); self.end_headers(); self.wfile.write(data)
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+# Runs the stand-in through serving.running() behind the CLI's error handling, as `qserve serve` does.
+DRIVER = r"""
+import sys
+from pathlib import Path
+import typer
+from qserve import cli, serving
+mode, port, pids, log, timeout = sys.argv[1:6]
+plan = serving.ServePlan([sys.executable, "-c", sys.argv[6], mode, port, pids], None, f"http://127.0.0.1:{port}", "stand-in", Path(log))
+
+@cli._user_errors
+def main():
+    with serving.running(plan, ready_timeout=float(timeout)) as server:
+        print("ready", flush=True)
+        server.wait()
+
+try:
+    main()
+except typer.Exit as exc:
+    sys.exit(exc.exit_code)
+"""
+
+
+def _start(tmp_path: Path, mode: str, ready_timeout: float = 300) -> tuple[subprocess.Popen, Path, Path]:
+    pids, log = tmp_path / "pids", tmp_path / "logs" / "serve.log"
+    args = [mode, str(free_port()), str(pids), str(log), str(ready_timeout), CHILD]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
+    )
+    deadline = time.monotonic() + 60
+    while not pids.is_file() or not pids.read_text():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() is not None else "slow"
+        time.sleep(0.1)
+    return proc, pids, log
+
+
+def _stop(proc: subprocess.Popen, sig: int) -> tuple[int, float, str]:
+    start = time.monotonic()
+    proc.send_signal(sig)
+    code = proc.wait(timeout=GRACE_SECONDS + 30)
+    return code, time.monotonic() - start, proc.stderr.read()
+
+
+def _dead(pid: int) -> bool:
+    """Gone, or a zombie waiting for init to reap it (an orphaned grandchild is init's to reap)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _assert_group_gone(pids: Path) -> None:
+    leader, grandchild = map(int, pids.read_text().split())
+    assert group_members(leader) == []  # the leader was the group's id: nothing is left in it
+    assert not Path(f"/proc/{leader}").exists()  # qserve reaped its own child
+    assert _dead(grandchild)
+
+
+@pytest.mark.parametrize(("sig", "code", "name"), [(signal.SIGINT, 130, "SIGINT"), (signal.SIGTERM, 143, "SIGTERM")])
+def test_signal_during_start_up_kills_a_group_that_ignores_sigterm(tmp_path: Path, sig: int, code: int, name: str) -> None:
+    proc, pids, _ = _start(tmp_path, "never")
+    time.sleep(1)
+    exit_code, seconds, stderr = _stop(proc, sig)
+    assert exit_code == code
+    assert stderr.strip().splitlines()[-1] == f"stopped by {name}"
+    assert GRACE_SECONDS - 1 < seconds < GRACE_SECONDS + 10  # it waited the grace, then killed
+    _assert_group_gone(pids)
+
+
+def test_sigterm_after_ready_kills_the_group_and_exits_143(tmp_path: Path) -> None:
+    proc, pids, log = _start(tmp_path, "ok")
+    assert proc.stdout.readline() == "ready\n"  # health answered and the first completion came back
+    exit_code, seconds, stderr = _stop(proc, signal.SIGTERM)
+    assert (exit_code, stderr.strip().splitlines()[-1]) == (143, "stopped by SIGTERM")
+    assert seconds < GRACE_SECONDS + 10
+    _assert_group_gone(pids)
+    assert "stand-in server starting" in log.read_text()  # the child's output went to the log file
+
+
+def test_ready_timeout_kills_the_group_with_one_error_line(tmp_path: Path) -> None:
+    proc, pids, log = _start(tmp_path, "never", ready_timeout=3)
+    proc.wait(timeout=GRACE_SECONDS + 60)
+    stderr = proc.stderr.read()
+    assert proc.returncode == 1
+    assert stderr.strip().splitlines()[-1] == (
+        f"error: vLLM server was not ready within 3s (--ready-timeout) and was stopped; its log: {log}"
+    )
+    _assert_group_gone(pids)
+
+
+def test_failed_first_generation_is_an_error_and_stops_the_server(tmp_path: Path) -> None:
+    proc, pids, log = _start(tmp_path, "fail")
+    proc.wait(timeout=GRACE_SECONDS + 60)
+    stderr = proc.stderr.read()
+    assert proc.returncode == 1 and proc.stdout.read() == ""  # never printed as ready
+    assert stderr.strip().splitlines()[-1] == (
+        f"error: vLLM server started but failed its first generation request (HTTP 500: boom: no kernel); its log: {log}"
+    )
+    _assert_group_gone(pids)
+
+
+@pytest.mark.slow
+def test_real_server_stopped_during_start_up_exits_within_the_bound(checkpoints) -> None:
+    """The real `qserve serve` with vLLM, SIGTERM 15 s into start-up: exit 143, no vLLM process left."""
+    ckpt = checkpoints["w4a16-gptq"]
+    proc = subprocess.Popen(
+        [*QSERVE, "serve", ckpt, "--skip-gate", "--port", str(free_port())],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    time.sleep(15)
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    assert len(children) == 1 and proc.poll() is None  # vLLM's API server, still starting
+    exit_code, seconds, stderr = _stop(proc, signal.SIGTERM)
+    assert (exit_code, stderr.strip().splitlines()[-1]) == (143, "stopped by SIGTERM")
+    assert seconds < GRACE_SECONDS + 10
+    assert group_members(int(children[0])) == []
+
+
+def test_probe_runs_in_its_own_group_and_reports_a_crash(tmp_path: Path) -> None:
+    """doctor --probe runs in its own process group too; an unreadable checkpoint is a verdict, not a hang."""
+    from qserve.probe import probe
+
+    (tmp_path / "qserve_manifest.json").write_text(json.dumps({"not": "a manifest"}))
+    from qserve.errors import QserveError
+
+    with pytest.raises(QserveError, match=r"^the vLLM probe crashed \(exit 1\): "):
+        probe([tmp_path], timeout=120)

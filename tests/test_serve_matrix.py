@@ -1,0 +1,65 @@
+"""Serve runs what eval gated: every scheme the matrix marks servable, through the real `qserve serve`.
+
+The gate is decided on the in-process engine (`qserve eval`); users get vLLM's API server, whose
+engine core and worker run in processes of their own. For each servable scheme the server must
+answer a chat request at temperature 0, and its greedy text must equal the eval engine's for the
+same prompt and the same chat: same kernels, same dtype, one request at a time, so the same tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import Server
+
+from qserve import engine, support
+from qserve.manifest import read_manifest
+
+# recipe -> the matrix entry it proves in the serve column
+SERVABLE = {
+    "fp8": ("compressed-tensors", "FP8_DYNAMIC"),
+    "w8a8-int8": ("compressed-tensors", "W8A8"),
+    "w4a16-gptq": ("compressed-tensors", "W4A16"),
+    "w4a16-awq": ("compressed-tensors", "W4A16"),
+    "quark-w4a16": ("quark", "W4A16"),
+    "w4a16-fp8kv": ("compressed-tensors", "W4A16"),  # with the FP8 KV cache (support.CPU_KV_CACHE)
+}
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+TOKENS = 16
+
+
+def test_serve_column_is_exactly_what_this_module_proves() -> None:
+    served = {key for key, s in support.CPU.items() if s.serves}
+    assert served == set(SERVABLE.values())
+    assert support.CPU_KV_CACHE.serves
+    assert all(support.CPU[key].runs for key in served)  # nothing is served that eval cannot gate
+
+
+def _eval_engine_texts(ckpt) -> tuple[str, str]:
+    """Greedy completion and chat reply from the engine `qserve eval` decides the gate with."""
+    from vllm import SamplingParams
+
+    manifest = read_manifest(ckpt)
+    with engine.open_engine(ckpt, manifest.vllm_args, engine.detect_device(), ckpt.name) as lm:
+        text = engine.greedy_generate(lm, [PROMPT], TOKENS)[0]
+        params = SamplingParams(temperature=0.0, max_tokens=TOKENS)
+        chat = lm.model.chat(CHAT, params, use_tqdm=False)[0].outputs[0].text
+    return text, chat
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SERVABLE))
+def test_served_text_equals_the_eval_engines(checkpoints, name: str) -> None:
+    ckpt = checkpoints[name]
+    text, chat = _eval_engine_texts(ckpt)
+    server = Server(ckpt, "--skip-gate")
+    try:
+        assert server.ready_line == f"serving {ckpt.name} at {server.base_url}\n", (ckpt / "logs" / "serve.log").read_text()[-3000:]
+        client = server.client()
+        common = {"model": ckpt.name, "max_tokens": TOKENS, "temperature": 0}
+        served_chat = client.chat.completions.create(messages=CHAT, **common).choices[0].message.content
+        served_text = client.completions.create(prompt=PROMPT, **common).choices[0].text
+    finally:
+        server.close()
+    assert "Paris" in served_chat
+    assert (served_text, served_chat) == (text, chat)
