@@ -15,8 +15,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from qserve import engine, paths
-from qserve.inspection import DTYPE_BYTES, safetensors_header
+from qserve import paths
+from qserve.checkpoint.tensors import quantized_layer_bytes
+from qserve.device import detect, engine, throughput
+from qserve.errors import QserveError
 from qserve.progress import info, step
 
 GOALS = {
@@ -66,7 +68,7 @@ def measure(cmd: list[str]) -> dict[str, float]:
     out = subprocess.run([sys.executable, "-c", _MEASURE, *cmd], capture_output=True, text=True, check=True)
     result = json.loads(out.stdout)
     if result["code"] != 0:
-        raise RuntimeError(f"benchmark command failed ({result['code']}): {' '.join(cmd)}")
+        raise QserveError(f"benchmark command failed ({result['code']}): {' '.join(cmd)}")
     return result
 
 
@@ -87,12 +89,15 @@ def help_cold_start(repeats: int = 5) -> dict[str, float]:
 
 def quantize_vs_oneshot(recipe: Path, work: Path, data_dir: Path) -> dict[str, Any]:
     """qserve quantize (shape check, hashing, manifest, card included) against bare oneshot."""
-    from qserve.calibration import load_texts
-    from qserve.models import resolve_model
-    from qserve.recipe import load_recipe
+    from qserve.checkpoint.models import resolve_model
+    from qserve.quantize.calibration import load_texts
+    from qserve.quantize.recipe import load_recipe
 
     rec, _ = load_recipe(recipe)
-    assert rec.scheme == "W4A16" and rec.algorithm == "gptq" and rec.smoothquant is None, "the raw script mirrors W4A16 GPTQ"
+    if (rec.scheme, rec.algorithm, rec.smoothquant) != ("W4A16", "gptq", None):
+        raise QserveError(
+            f"{recipe}: the raw llm-compressor script mirrors W4A16 GPTQ without SmoothQuant; this recipe is not that"
+        )
     model = resolve_model(None).path
     texts, _ = load_texts(rec.calibration, data_dir, model)
     texts_file = work / "calibration_texts.json"
@@ -122,60 +127,26 @@ def quantize_vs_oneshot(recipe: Path, work: Path, data_dir: Path) -> dict[str, A
     }
 
 
-def quantized_layer_bytes(ckpt: Path) -> dict[str, float]:
-    """Bytes of the quantized Linear layers (weights, scales, zero points) against the same
-    layers in bf16, read from the safetensors headers."""
-    tensors: dict[str, dict] = {}
-    for path in ckpt.glob("*.safetensors"):
-        tensors |= {k: v for k, v in safetensors_header(path).items() if k != "__metadata__"}
-    quantized = {name.rsplit(".", 1)[0] for name in tensors if name.endswith(".weight_scale")}
-    stored = bf16 = 0
-    for module in quantized:
-        parts = {k: v for k, v in tensors.items() if k.rsplit(".", 1)[0] == module}
-        stored += sum(_numel(v["shape"]) * DTYPE_BYTES[v["dtype"]] for k, v in parts.items() if not k.endswith(".weight_shape"))
-        shape = parts.get(f"{module}.weight", {}).get("shape")
-        numel = _numel(shape) if shape else _weight_shape_numel(ckpt, f"{module}.weight_shape")
-        bf16 += 2 * numel
-    return {"layers": len(quantized), "stored_bytes": stored, "bf16_bytes": bf16, "ratio": round(stored / bf16, 4)}
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _weight_shape_numel(ckpt: Path, name: str) -> int:
-    """Packed int4 weights record their original shape in a small tensor."""
-    from safetensors import safe_open
-
-    for path in ckpt.glob("*.safetensors"):
-        with safe_open(str(path), "pt") as f:
-            if name in f.keys():
-                return _numel([int(x) for x in f.get_tensor(name).tolist()])
-    raise KeyError(name)
-
-
 def serve_vs_vllm(ckpt: Path) -> dict[str, Any]:
     """The same load through `qserve serve` and through `vllm serve` with the same arguments."""
-    from qserve import serving
-    from qserve.bench import Load, free_port, run_load
-    from qserve.manifest import read_manifest
+    from qserve.checkpoint.manifest import read_manifest
+    from qserve.serve.bench import Load, run_load
+    from qserve.serve.plan import plan
+    from qserve.serve.server import free_port, running
 
     manifest = read_manifest(ckpt)
-    device = engine.detect_device()
+    device = detect.detect_device()
     load = Load()
     results: dict[str, list[dict]] = {"qserve": [], "vllm": []}
     for side in ("vllm", "qserve", "vllm", "qserve"):  # interleaved, so drift hits both sides
-        p = serving.plan(ckpt, manifest, device, "127.0.0.1", free_port())
+        p = plan(ckpt, manifest, device, "127.0.0.1", free_port())
         port = p.url.rsplit(":", 1)[1]
         command = (
             p.command
             if side == "vllm"
             else [sys.executable, "-m", "qserve.cli", "serve", str(ckpt), "--port", port, "--skip-gate"]
         )
-        with serving.running(p, command):
+        with running(p, command):
             with step(f"serving benchmark through {side}"):
                 results[side].append(run_load(p.url, p.model_name, ckpt, load))
     q = max(r["output_throughput"] for r in results["qserve"])
@@ -185,19 +156,19 @@ def serve_vs_vllm(ckpt: Path) -> dict[str, Any]:
 
 def decode_vs_baseline(ckpts: dict[str, Path]) -> dict[str, Any]:
     """Offline decode throughput in vLLM, each quantized checkpoint against the baseline."""
-    from qserve.evaluation import baseline_model
-    from qserve.manifest import read_manifest
+    from qserve.checkpoint.manifest import read_manifest
+    from qserve.checkpoint.models import baseline_model
 
-    device = engine.detect_device()
+    device = detect.detect_device()
     first = read_manifest(next(iter(ckpts.values())))
     base = baseline_model(first)
     out: dict[str, Any] = {}
     with engine.open_engine(base.path, engine.baseline_args(device), device, "the baseline (decode speed)") as lm:
-        out["baseline"] = engine.decode_throughput(lm)
+        out["baseline"] = throughput.decode_throughput(lm)
     for name, ckpt in ckpts.items():
         manifest = read_manifest(ckpt)
         with engine.open_engine(ckpt, manifest.vllm_args, device, f"{name} (decode speed)") as lm:
-            out[name] = engine.decode_throughput(lm) | {"dtype": manifest.vllm_args.dtype}
+            out[name] = throughput.decode_throughput(lm) | {"dtype": manifest.vllm_args.dtype}
         out[f"{name}_decode_ratio"] = round(out[name]["tokens_per_second"] / out["baseline"]["tokens_per_second"], 3)
     return out
 

@@ -105,7 +105,7 @@ def quantize(
     calibration data (files, a hub dataset, a weighted mix, or text the model writes itself). See
     recipes/ for one of each; the manifest records the vLLM arguments the checkpoint needs.
     """
-    from qserve.quantize import quantize as run
+    from qserve.quantize.pipeline import quantize as run
 
     with _results_only_on_stdout():
         result = run(recipe, model=model, output=output, data_dir=data_dir, force=force, trust_remote_code=trust_remote_code)
@@ -162,9 +162,9 @@ def eval_(
     (README.md) into the checkpoint. Exit 3 if a gate, parity or the KV check fails, 4 if no gate could
     decide (too few items).
     """
-    from qserve.evaluation import evaluate
-    from qserve.gates import parse_cli_gates
-    from qserve.reports import format_table
+    from qserve.evaluate.evaluation import evaluate
+    from qserve.evaluate.gates import parse_cli_gates
+    from qserve.evaluate.reports import format_table
 
     with _results_only_on_stdout():
         summary = evaluate(
@@ -205,7 +205,7 @@ def serve(
     vLLM's output goes to CKPT/logs/serve.log. Ctrl-C or SIGTERM stops the server's whole process
     group: SIGTERM first, SIGKILL for anything still alive 15 s later; exit 130 (SIGINT) or 143 (SIGTERM).
     """
-    from qserve.serving import serve as run
+    from qserve.serve.server import serve as run
 
     _vllm_logs_to_stderr()  # stdout: the endpoint and curl lines only
     run(
@@ -221,7 +221,7 @@ def inspect(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")] = False,
 ) -> None:
     """Show a checkpoint's scheme, size against its baseline, vLLM arguments, integrity and gate status."""
-    from qserve.inspection import format_inspection, inspect_checkpoint
+    from qserve.checkpoint.inspection import format_inspection, inspect_checkpoint
 
     info = inspect_checkpoint(checkpoint)
     typer.echo(json.dumps(info, indent=2) if as_json else format_inspection(info))
@@ -284,8 +284,8 @@ def bench(
         return
     if checkpoint is None:
         raise QserveError("pass CHECKPOINT to benchmark, or --suite")
-    from qserve.bench import Load, format_bench
-    from qserve.bench import bench as run
+    from qserve.serve.bench import Load, format_bench
+    from qserve.serve.bench import bench as run
 
     with _results_only_on_stdout():
         result = run(checkpoint, Load(num_prompts, input_len, output_len, concurrency))
@@ -307,7 +307,7 @@ def doctor(
     here is evaluated through transformers (emulated) and refused by `qserve serve`. Exit 1 if a
     required library is missing or a probed checkpoint contradicts the matrix.
     """
-    from qserve.doctor import diagnose, format_report
+    from qserve.device.doctor import diagnose, format_report
 
     with _results_only_on_stdout():
         report = diagnose(probe)

@@ -11,15 +11,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-from qserve import engine
+from qserve.checkpoint.inspection import inspect_checkpoint
+from qserve.checkpoint.manifest import read_manifest, verify_files
+from qserve.checkpoint.models import baseline_model, resolve_model
+from qserve.device import detect, engine, throughput
 from qserve.errors import QserveError
-from qserve.evaluation import baseline_model, evaluate
-from qserve.inspection import inspect_checkpoint
-from qserve.manifest import read_manifest, verify_files
-from qserve.models import resolve_model
+from qserve.evaluate.evaluation import evaluate
 from qserve.progress import info
-from qserve.quantize import quantize
-from qserve.recipe import load_recipe
+from qserve.quantize.pipeline import quantize
+from qserve.quantize.recipe import load_recipe
 
 RESULT_NAME = "compare.json"
 PLOT_NAME = "compare.png"
@@ -89,10 +89,10 @@ def _baseline_row(any_ckpt: Path) -> dict[str, Any]:
     """The source model's decode speed in vLLM, measured now on this machine (never cached)."""
     manifest = read_manifest(any_ckpt)
     ref = baseline_model(manifest)
-    device = engine.detect_device()
+    device = detect.detect_device()
     args = engine.baseline_args(device, manifest.vllm_args.trust_remote_code)
     with engine.open_engine(ref.path, args, device, f"the baseline {manifest.source_model['id']} (decode speed)") as lm:
-        decode = engine.decode_throughput(lm)
+        decode = throughput.decode_throughput(lm)
     facts = inspect_checkpoint(any_ckpt)
     return {
         "model": ref.id,

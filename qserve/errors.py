@@ -9,6 +9,11 @@ class QserveError(Exception):
     """A failure with a one-line message meant for the user (no traceback)."""
 
 
+class InvalidSpec(QserveError, ValueError):
+    """A recipe or gate value that is not valid. Also a ValueError, so pydantic validators that
+    raise it report it as a validation error of the field."""
+
+
 class UnsupportedOnDevice(QserveError):
     """vLLM cannot run this checkpoint correctly on the current device."""
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from qserve.errors import QserveError
+
 
 def cache_dir() -> Path:
     """QSERVE_CACHE_DIR, else $XDG_CACHE_HOME/qserve, else ~/.cache/qserve."""
@@ -40,7 +42,7 @@ def project_data(name: str) -> Path:
     for candidate in (here / "_data" / name, here.parent / name):
         if candidate.is_dir():
             return candidate
-    raise FileNotFoundError(f"qserve's {name}/ folder is missing from the installation")
+    raise QserveError(f"qserve's {name}/ folder is missing from the installation")
 
 
 def log_file(ckpt: Path, name: str) -> Path:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import pytest
+
+from qserve.serve.server import free_port  # noqa: F401  (tests import it from here)
 
 REPO = Path(__file__).resolve().parents[1]
 DATA_DIR = Path(os.environ.get("QSERVE_DATA_DIR", REPO.parent / "shared" / "data")).resolve()
@@ -44,15 +45,9 @@ def run_qserve(
     )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def embedded_model_dir() -> Path:
-    from qserve.models import resolve_model
+    from qserve.checkpoint.models import resolve_model
 
     return resolve_model(None).path
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from qserve import baselines
+from qserve.evaluate import baselines
 
 
 @pytest.fixture

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from conftest import DATA_DIR
 
-from qserve.calibration import load_texts, split_by_weight
 from qserve.errors import QserveError
-from qserve.recipe import CalibrationSpec
+from qserve.quantize.calibration import load_texts, split_by_weight
+from qserve.quantize.recipe import CalibrationSpec
 
 ROWS = [{"text": f"sample number {i}", "q": f"question {i}"} for i in range(6)]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import EVAL_LIMIT, REPO, copy_checkpoint, run_qserve
 
-from qserve.bench_suite import quantized_layer_bytes
+from qserve.checkpoint.tensors import quantized_layer_bytes
 
 
 @pytest.mark.slow

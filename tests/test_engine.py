@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 from conftest import run_qserve
 
-from qserve import engine, parity
-from qserve.manifest import read_manifest
-from qserve.schemes import SCHEMES
+from qserve.checkpoint.manifest import read_manifest
+from qserve.checkpoint.schemes import SCHEMES
+from qserve.device import detect, engine
+from qserve.evaluate import parity
 
 PROMPTS = ["The capital of France is"]
 
@@ -17,7 +18,7 @@ PROMPTS = ["The capital of France is"]
 def _parity(ckpt: Path, overrides: dict | None = None) -> dict:
     """qserve's engine parity check on a real checkpoint, optionally with a changed engine setting."""
     manifest = read_manifest(ckpt)
-    device = engine.detect_device()
+    device = detect.detect_device()
     with engine.open_engine(ckpt, manifest.vllm_args, device, ckpt.name, overrides) as lm:
         assert lm.model.llm_engine.model_config.quantization == "compressed-tensors"
         assert str(lm.model.llm_engine.model_config.dtype) == f"torch.{manifest.vllm_args.dtype}"
@@ -53,7 +54,7 @@ def test_activation_quantized_checkpoints_match_transformers(checkpoints, name: 
     assert result["status"] == "pass", result
     assert result["tolerance"]["max_mean_abs_logprob_diff"] == parity.TOLERANCES["activation"].max_mean_abs_logprob_diff
     ckpt = checkpoints[name]
-    with engine.open_engine(ckpt, read_manifest(ckpt).vllm_args, engine.detect_device(), name) as lm:
+    with engine.open_engine(ckpt, read_manifest(ckpt).vllm_args, detect.detect_device(), name) as lm:
         assert "Paris" in engine.greedy_generate(lm, PROMPTS, 8)[0]
 
 

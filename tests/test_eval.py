@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 from conftest import EVAL_LIMIT, copy_checkpoint, run_qserve
 
-from qserve.manifest import EVAL_NAME, hash_files, read_manifest, write_manifest
-from qserve.reports import CARD_NAME, LM_EVAL_RESULTS_NAME, REPORT_NAME, gate_rows
+from qserve.checkpoint.card import CARD_NAME, gate_rows
+from qserve.checkpoint.manifest import EVAL_NAME, LM_EVAL_RESULTS_NAME, hash_files, read_manifest, write_manifest
+from qserve.evaluate.reports import REPORT_NAME
 
 BASELINE_ENGINE = "starting vLLM for the baseline"
 

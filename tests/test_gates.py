@@ -7,10 +7,10 @@ import math
 import pytest
 
 from qserve.errors import QserveError
-from qserve.gates import Comparison, GateSpec, decide, parse_cli_gates, recovery, verdict
-from qserve.recipe import parse_recipe
-from qserve.stats import aggregate, compare, item_values
-from qserve.tasks import get_tasks
+from qserve.evaluate.gates import Comparison, GateSpec, decide, parse_cli_gates, recovery, verdict
+from qserve.evaluate.stats import aggregate, compare, item_values
+from qserve.evaluate.tasks import get_tasks
+from qserve.quantize.recipe import parse_recipe
 
 
 def _cmp(b: float, q: float, hib: bool = True, noise: float | None = None, **kw) -> Comparison:

@@ -1,6 +1,6 @@
 """Stop means stop: a vLLM process group that ignores SIGTERM is killed within the grace period.
 
-The stand-in server is a real child process group run through qserve's own `serving.running()`
+The stand-in server is a real child process group run through qserve's own `server.running()`
 and CLI error handling (the driver below): its leader and a grandchild ignore SIGTERM, as a stuck
 vLLM engine does. A signal to qserve must end it all within GRACE_SECONDS, with exit 130 or 143.
 """
@@ -41,18 +41,20 @@ class H(http.server.BaseHTTPRequestHandler):
 http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
 """
 
-# Runs the stand-in through serving.running() behind the CLI's error handling, as `qserve serve` does.
+# Runs the stand-in through server.running() behind the CLI's error handling, as `qserve serve` does.
 DRIVER = r"""
 import sys
 from pathlib import Path
 import typer
-from qserve import cli, serving
+from qserve import cli
+from qserve.serve.plan import ServePlan
+from qserve.serve.server import running
 mode, port, pids, log, timeout = sys.argv[1:6]
-plan = serving.ServePlan([sys.executable, "-c", sys.argv[6], mode, port, pids], None, f"http://127.0.0.1:{port}", "stand-in", Path(log))
+plan = ServePlan([sys.executable, "-c", sys.argv[6], mode, port, pids], None, f"http://127.0.0.1:{port}", "stand-in", Path(log))
 
 @cli._user_errors
 def main():
-    with serving.running(plan, ready_timeout=float(timeout)) as server:
+    with running(plan, ready_timeout=float(timeout)) as server:
         print("ready", flush=True)
         server.wait()
 
@@ -163,7 +165,7 @@ def test_real_server_stopped_during_start_up_exits_within_the_bound(checkpoints)
 
 def test_probe_runs_in_its_own_group_and_reports_a_crash(tmp_path: Path) -> None:
     """doctor --probe runs in its own process group too; an unreadable checkpoint is a verdict, not a hang."""
-    from qserve.probe import probe
+    from qserve.device.probe import probe
 
     (tmp_path / "qserve_manifest.json").write_text(json.dumps({"not": "a manifest"}))
     from qserve.errors import QserveError

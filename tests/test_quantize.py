@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from conftest import QSERVE, REPO, run_qserve
 
+from qserve.checkpoint.manifest import MANIFEST_NAME, read_manifest, sha256_file
 from qserve.errors import QserveError
-from qserve.manifest import MANIFEST_NAME, read_manifest, sha256_file
-from qserve.quantize import check_shapes
-from qserve.recipe import parse_recipe
+from qserve.quantize.pipeline import check_shapes
+from qserve.quantize.recipe import parse_recipe
 
 RECIPES = ["w4a16-gptq", "fp8", "w8a8-int8"]
 W4A16_128 = "name: t\nscheme: W4A16\ncalibration: {path: gsm8k/train.jsonl}\n"

@@ -8,7 +8,7 @@ import pytest
 from conftest import REPO, run_qserve
 
 from qserve.errors import QserveError
-from qserve.recipe import load_recipe, parse_recipe
+from qserve.quantize.recipe import load_recipe, parse_recipe
 
 VALID = """\
 name: t
@@ -124,7 +124,7 @@ def test_plain_llmcompressor_recipe_is_accepted_as_is() -> None:
 
 
 def test_plain_recipe_gets_default_calibration_only_when_its_modifiers_calibrate() -> None:
-    from qserve.quantize import with_default_calibration
+    from qserve.quantize.pipeline import with_default_calibration
 
     gptq = with_default_calibration(parse_recipe(PLAIN))
     assert (gptq.calibration.source, gptq.calibration.samples, gptq.calibration.seq_len) == ("gsm8k-train", 32, 256)
@@ -142,7 +142,7 @@ def test_plain_recipe_gets_default_calibration_only_when_its_modifiers_calibrate
 
 
 def test_plain_recipe_modifiers_are_checked_by_llmcompressor() -> None:
-    from qserve.backends.llmcompressor import build_modifiers
+    from qserve.quantize.backends.llmcompressor import build_modifiers
 
     assert "GPTQModifier" in build_modifiers(parse_recipe(PLAIN))
     with pytest.raises(QserveError, match="llm-compressor rejected the recipe's modifiers"):

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 from conftest import Server
 
-from qserve import engine, support
-from qserve.manifest import read_manifest
+from qserve.checkpoint.manifest import read_manifest
+from qserve.device import detect, engine, support
 
 # recipe -> the matrix entry it proves in the serve column
 SERVABLE = {
@@ -40,7 +40,7 @@ def _eval_engine_texts(ckpt) -> tuple[str, str]:
     from vllm import SamplingParams
 
     manifest = read_manifest(ckpt)
-    with engine.open_engine(ckpt, manifest.vllm_args, engine.detect_device(), ckpt.name) as lm:
+    with engine.open_engine(ckpt, manifest.vllm_args, detect.detect_device(), ckpt.name) as lm:
         text = engine.greedy_generate(lm, [PROMPT], TOKENS)[0]
         params = SamplingParams(temperature=0.0, max_tokens=TOKENS)
         chat = lm.model.chat(CHAT, params, use_tqdm=False)[0].outputs[0].text
@@ -54,7 +54,9 @@ def test_served_text_equals_the_eval_engines(checkpoints, name: str) -> None:
     text, chat = _eval_engine_texts(ckpt)
     server = Server(ckpt, "--skip-gate")
     try:
-        assert server.ready_line == f"serving {ckpt.name} at {server.base_url}\n", (ckpt / "logs" / "serve.log").read_text()[-3000:]
+        assert server.ready_line == f"serving {ckpt.name} at {server.base_url}\n", (ckpt / "logs" / "serve.log").read_text()[
+            -3000:
+        ]
         client = server.client()
         common = {"model": ckpt.name, "max_tokens": TOKENS, "temperature": 0}
         served_chat = client.chat.completions.create(messages=CHAT, **common).choices[0].message.content

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from qserve.engine import Device
+from qserve.checkpoint.manifest import Manifest, VllmArgs
+from qserve.device.detect import Device
 from qserve.errors import QserveError
-from qserve.manifest import Manifest, VllmArgs
-from qserve.serving import parse_extra_args, plan
+from qserve.serve.plan import parse_extra_args, plan
 
 CPU = Device("cpu", "test")
 GPU = Device("cuda", "test GPU")
@@ -38,7 +38,7 @@ def flags(cmd: list[str]) -> dict[str, str | None]:
 def test_matched_arguments_and_loopback_default(tmp_path: Path) -> None:
     p = plan(tmp_path / "ck", manifest(), CPU, "127.0.0.1", 8000)
     f = flags(p.command)
-    assert p.command[1:5] == ["-m", "qserve.vllm_cli", "serve", str((tmp_path / "ck").resolve())]
+    assert p.command[1:5] == ["-m", "qserve.device.vllm_cli", "serve", str((tmp_path / "ck").resolve())]
     assert (f["--quantization"], f["--kv-cache-dtype"], f["--dtype"]) == ("compressed-tensors", "auto", "bfloat16")
     assert (f["--host"], f["--port"]) == ("127.0.0.1", "8000")
     assert "--enforce-eager" in f and "--kv-cache-memory-bytes" in f  # CPU engine settings, as in eval

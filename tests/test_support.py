@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 from conftest import REPO, run_qserve
 
-from qserve import engine, parity, support
-from qserve.manifest import MANIFEST_NAME, read_manifest, sha256_file
-from qserve.schemes import SCHEMES
+from qserve.checkpoint.manifest import MANIFEST_NAME, read_manifest, sha256_file
+from qserve.checkpoint.schemes import SCHEMES
+from qserve.device import detect, engine, flags, kv_scales, support
+from qserve.evaluate import parity
 
 # recipe -> (scheme, vLLM quantization method, kv_cache_dtype) the checkpoint must record
 EXPECTED = {
@@ -75,7 +76,7 @@ def test_shipped_recipe_quantizes_embedded_model(checkpoints, name: str) -> None
     config = json.loads((ckpt / "config.json").read_text())["quantization_config"]
     assert (manifest.scheme, manifest.vllm_args.quantization, manifest.vllm_args.kv_cache_dtype) == (scheme, method, kv)
     assert config["quant_method"] == method
-    assert support.required_kv_cache_dtype(ckpt) == kv  # the scales are really in the checkpoint
+    assert flags.required_kv_cache_dtype(ckpt) == kv  # the scales are really in the checkpoint
     if method == "quark":
         assert manifest.versions["amd-quark"] == "0.13"
     assert manifest.files["model.safetensors"] == sha256_file(ckpt / "model.safetensors")
@@ -102,10 +103,10 @@ def test_matrix_claims_hold_in_vllm(checkpoints, mxfp4a16: Path) -> None:
 
 def _parity_and_kv(ckpt: Path) -> tuple[dict, dict]:
     manifest = read_manifest(ckpt)
-    with engine.open_engine(ckpt, manifest.vllm_args, engine.detect_device(), ckpt.name) as lm:
+    with engine.open_engine(ckpt, manifest.vllm_args, detect.detect_device(), ckpt.name) as lm:
         assert lm.model.llm_engine.model_config.quantization == manifest.vllm_args.quantization
         generations = parity.vllm_generations(lm)
-        kv = engine.check_kv_scales(engine.kv_scales(lm), manifest.vllm_args.kv_cache_dtype)
+        kv = kv_scales.check_kv_scales(kv_scales.kv_scales(lm), manifest.vllm_args.kv_cache_dtype)
     tolerance = parity.tolerance_for(SCHEMES[manifest.scheme].activations, manifest.vllm_args.kv_cache_dtype)
     return parity.compare_with_transformers(ckpt, generations, tolerance), kv
 
@@ -207,3 +208,34 @@ def test_compare_table_and_plot_label_emulated_rows(tmp_path: Path) -> None:
     assert "FAIL (emulated)" in line and line.split()[-2:] == ["n/a", "n/a"]  # no serving speed to show
     plot(result, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+KERNELS = """
+import sys, torch, importlib
+try:
+    importlib.import_module(sys.argv[1])
+except ImportError as exc:  # the ISA libraries register their ops even though their module name differs
+    assert "module export function" in str(exc), exc
+print(hasattr(torch.ops._C, "rms_norm"), hasattr(torch.ops._C, "cpu_gemm_wna16"))
+"""
+
+
+@pytest.mark.parametrize(("library", "has_int4_gemm"), [("vllm._C_AVX2", False), ("vllm._C_AVX512", True)])
+def test_the_int4_gemm_is_only_in_vllm_cpus_avx512_kernels(library: str, has_int4_gemm: bool) -> None:
+    """The evidence behind CPU_NEEDS_AVX512: loaded alone, each kernel library registers `_C` ops."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", KERNELS, library], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", str(has_int4_gemm)]
+
+
+def test_w4a16_is_refused_on_a_cpu_without_avx512() -> None:
+    avx2_only = frozenset({"avx", "avx2", "fma"})
+    for method in ("compressed-tensors", "quark"):
+        s = support.support_for(method, "W4A16", "cpu", avx2_only)
+        assert (s.runs, s.serves, s.needs) == (False, False, "a CPU with AVX-512, or a GPU")
+        assert "cpu_gemm_wna16" in s.evidence
+    with_avx512 = avx2_only | {"avx512f"}
+    assert support.support_for("quark", "W4A16", "cpu", with_avx512) == support.CPU[("quark", "W4A16")]
+    assert support.support_for("compressed-tensors", "W8A8", "cpu", avx2_only) == support.CPU[("compressed-tensors", "W8A8")]

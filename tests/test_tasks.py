@@ -9,7 +9,7 @@ import pytest
 from conftest import DATA_DIR
 
 from qserve.errors import QserveError
-from qserve.tasks import get_tasks, lm_eval_config
+from qserve.evaluate.tasks import get_tasks, lm_eval_config
 
 ARC = [
     ("Which gas do plants take in from the air?", ["oxygen", "carbon dioxide", "helium", "neon"], "B"),

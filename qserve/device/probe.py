@@ -1,6 +1,6 @@
 """Try checkpoints on this device's vLLM, for `qserve doctor --probe`: does it load and answer?
 
-Runs in a child process (`python -m qserve.probe CKPT...`): a scheme without a kernel can crash
+Runs in a child process (`python -m qserve.device.probe CKPT...`): a scheme without a kernel can crash
 or hang vLLM, and the parent must survive that with a verdict. One JSON line per checkpoint.
 """
 
@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from qserve.device import detect
 from qserve.errors import QserveError
 from qserve.process import ProcessGroup
 
@@ -25,7 +26,7 @@ def probe(checkpoints: list[Path], timeout: float = TIMEOUT) -> list[dict[str, A
 
     A signal to qserve stops the probe's whole process group within the grace period (qserve.process).
     """
-    cmd = [sys.executable, "-m", "qserve.probe", *map(str, checkpoints)]
+    cmd = [sys.executable, "-m", "qserve.device.probe", *map(str, checkpoints)]
     env = os.environ | {"VLLM_LOGGING_STREAM": "ext://sys.stderr"}  # stdout carries only the verdicts
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         group = ProcessGroup(cmd, env=env, stdout=out, stderr=err)
@@ -46,14 +47,14 @@ def probe(checkpoints: list[Path], timeout: float = TIMEOUT) -> list[dict[str, A
 
 
 def _probe_one(ckpt: Path) -> dict[str, Any]:
-    from qserve import engine
-    from qserve.manifest import read_manifest
+    from qserve.checkpoint.manifest import read_manifest
+    from qserve.device import engine
 
     manifest = read_manifest(ckpt)
     args = manifest.vllm_args
     result: dict[str, Any] = {"checkpoint": str(ckpt), "scheme": manifest.scheme, "vllm_args": args.model_dump()}
     try:
-        with engine.open_engine(ckpt, args, engine.detect_device(), f"probe of {ckpt.name}") as lm:
+        with engine.open_engine(ckpt, args, detect.detect_device(), f"probe of {ckpt.name}") as lm:
             result |= {"runs": True, "text": engine.greedy_generate(lm, [PROMPT], 8)[0]}
     except Exception as exc:  # whatever vLLM raises is the finding
         lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]

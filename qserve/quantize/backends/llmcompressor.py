@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from qserve.checkpoint.schemes import SCHEMES, scheme_of_checkpoint
 from qserve.errors import QserveError
-from qserve.recipe import Recipe
-from qserve.schemes import SCHEMES, scheme_of_checkpoint
+from qserve.quantize.recipe import Recipe
 
 QUANTIZATION_METHOD = "compressed-tensors"  # vLLM's name for checkpoints this backend writes
 
@@ -91,14 +91,14 @@ def quantize(model_path: Path, recipe: Recipe, texts: list[str] | None, out_dir:
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from qserve.calibration import tokenized_dataset
+    from qserve.quantize.calibration import tokenized_dataset
 
     modifiers = build_modifiers(recipe)
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype="auto", trust_remote_code=trust_remote_code)
     kwargs: dict[str, Any] = {}
     if texts:
-        seq_len = recipe.calibration.seq_len if recipe.calibration else 256
+        seq_len = recipe.seq_len
         kwargs.update(
             dataset=tokenized_dataset(texts, tokenizer, seq_len),
             num_calibration_samples=len(texts),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from qserve.gates import Comparison
+from qserve.evaluate.gates import Comparison
 
 BOOTSTRAP_ITERS = 1000
 # lm-eval's corpus-level metrics: each item contributes (log-likelihood, words or bytes).

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from qserve.errors import QserveError
+from qserve.errors import InvalidSpec, QserveError
 
 DEFAULT_MIN_RECOVERY = 0.95
 # One-sided 95 %: a pass must hold at the pessimistic end of the noise band.
@@ -53,7 +53,7 @@ def normalize(value: object) -> list[GateSpec]:
         elif isinstance(item, dict):
             out.append(GateSpec.model_validate(item))
         else:
-            raise ValueError(f"a gate is a number (minimum recovery) or a mapping of {', '.join(CRITERIA)}; got {item!r}")
+            raise InvalidSpec(f"a gate is a number (minimum recovery) or a mapping of {', '.join(CRITERIA)}; got {item!r}")
     return out
 
 

@@ -9,10 +9,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from qserve.checkpoint.schemes import QUARK_GROUP_SIZES, SCHEMES, get_scheme
 from qserve.errors import QserveError
-from qserve.gates import GateSpec
+from qserve.evaluate.gates import GateSpec
 from qserve.paths import project_data
-from qserve.schemes import QUARK_GROUP_SIZES, SCHEMES, get_scheme
 
 
 class _Strict(BaseModel):
@@ -68,12 +68,15 @@ class DataSource(_Strict):
         return "generate" if self.generate else "dataset" if self.dataset else "file"
 
 
+DEFAULT_SEQ_LEN = 256  # calibration tokens per sample
+
+
 class CalibrationSpec(DataSource):
     """One data source, or a weighted `mix` of them, plus how much to draw."""
 
     mix: list[DataSource] | None = Field(None, min_length=1, description="weighted sources; samples split by weight")
     samples: int = Field(64, gt=0)
-    seq_len: int = Field(256, gt=8)
+    seq_len: int = Field(DEFAULT_SEQ_LEN, gt=8)
     seed: int = 0
 
     @model_validator(mode="after")
@@ -98,7 +101,7 @@ class KvCacheSpec(_Strict):
 
 
 # Calibration for llm-compressor modifiers that need data but came without any (plain recipes).
-DEFAULT_CALIBRATION = {"source": "gsm8k-train", "samples": 32, "seq_len": 256}
+DEFAULT_CALIBRATION = {"source": "gsm8k-train", "samples": 32, "seq_len": DEFAULT_SEQ_LEN}
 
 
 class Recipe(_Strict):
@@ -128,13 +131,15 @@ class Recipe(_Strict):
         None, description="vLLM dtype to record; default chosen per scheme and device"
     )
 
+    @property
+    def seq_len(self) -> int:
+        """Calibration tokens per sample (both backends truncate to it)."""
+        return self.calibration.seq_len if self.calibration else DEFAULT_SEQ_LEN
+
     @field_validator("scheme")
     @classmethod
     def _known_scheme(cls, v: str | None) -> str | None:
-        try:
-            return v and get_scheme(v).name
-        except KeyError as exc:
-            raise ValueError(exc.args[0]) from None
+        return v and get_scheme(v).name
 
     @field_validator("gates", mode="before")
     @classmethod
@@ -155,10 +160,7 @@ class Recipe(_Strict):
             if self.backend != "llmcompressor":
                 raise ValueError("modifiers are llm-compressor's; they need backend: llmcompressor")
             return self
-        try:
-            scheme = get_scheme(self.scheme, self.backend)
-        except KeyError as exc:
-            raise ValueError(exc.args[0]) from None
+        scheme = get_scheme(self.scheme, self.backend)
         if self.backend == "quark" and (self.algorithm != "rtn" or self.smoothquant or self.algorithm_options):
             raise ValueError(
                 "with backend quark, qserve runs Quark's plain (rtn) quantization: drop algorithm, algorithm_options, smoothquant"

@@ -2,57 +2,17 @@
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 from typing import Any
 
+from qserve.checkpoint.card import vllm_serve_command
+from qserve.checkpoint.manifest import manifest_digest, read_manifest, verify_files
+from qserve.checkpoint.records import read_eval
+from qserve.checkpoint.tensors import parameter_count, weight_bytes
 from qserve.errors import QserveError
-from qserve.manifest import manifest_digest, read_manifest, verify_files
-from qserve.reports import vllm_serve_command
-
-DTYPE_BYTES = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U8": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "BOOL": 1,
-}
-
-
-def weight_bytes(directory: Path) -> int:
-    return sum(p.stat().st_size for p in directory.glob("*.safetensors"))
-
-
-def parameter_count(directory: Path) -> int:
-    """Elements of all tensors, read from the safetensors headers (no weights loaded)."""
-    total = 0
-    for path in directory.glob("*.safetensors"):
-        for name, info in safetensors_header(path).items():
-            if name != "__metadata__":
-                n = 1
-                for d in info["shape"]:
-                    n *= d
-                total += n
-    return total
-
-
-def safetensors_header(path: Path) -> dict[str, Any]:
-    with path.open("rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(size))
 
 
 def inspect_checkpoint(checkpoint: str | Path) -> dict[str, Any]:
-    from qserve.evaluation import read_eval
-
     ckpt = Path(checkpoint)
     manifest = read_manifest(ckpt)
     try:
@@ -101,7 +61,7 @@ def _baseline_dir(manifest) -> Path | None:
     if src.is_dir():
         return src
     if manifest.source_model.get("source") == "embedded":
-        from qserve.models import embedded_model_dir
+        from qserve.checkpoint.models import embedded_model_dir
 
         return embedded_model_dir()
     return None

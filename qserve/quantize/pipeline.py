@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from qserve import paths
+from qserve.checkpoint.card import CARD_NAME, model_card
+from qserve.checkpoint.manifest import Manifest, VllmArgs, hash_files, library_versions, write_manifest
+from qserve.checkpoint.models import ModelRef, resolve_model
+from qserve.checkpoint.records import write_text
+from qserve.checkpoint.schemes import SCHEMES
 from qserve.errors import QserveError
-from qserve.manifest import Manifest, VllmArgs, hash_files, library_versions, write_manifest
-from qserve.models import ModelRef, resolve_model
 from qserve.progress import info, step
-from qserve.recipe import DEFAULT_CALIBRATION, CalibrationSpec, Recipe, load_recipe
-from qserve.reports import CARD_NAME, model_card, write_text
-from qserve.schemes import SCHEMES
+from qserve.quantize.recipe import DEFAULT_CALIBRATION, CalibrationSpec, Recipe, load_recipe
 
 CANDIDATE_GROUP_SIZES = (32, 64, 128, 256)
 
@@ -54,7 +55,7 @@ def quantize(
 
     texts, calib_record = None, None
     if recipe.calibration is not None:
-        from qserve.calibration import load_texts
+        from qserve.quantize.calibration import load_texts
 
         texts, calib_record = load_texts(recipe.calibration, paths.data_dir(data_dir), ref.path)
 
@@ -130,7 +131,7 @@ def with_default_calibration(recipe: Recipe) -> Recipe:
     """llm-compressor modifiers that calibrate but came without data get qserve's default source."""
     if recipe.calibration is not None or recipe.modifiers is None:
         return recipe
-    from qserve.backends.llmcompressor import modifiers_need_data
+    from qserve.quantize.backends.llmcompressor import modifiers_need_data
 
     if not modifiers_need_data(recipe.modifiers):
         return recipe
@@ -140,7 +141,7 @@ def with_default_calibration(recipe: Recipe) -> Recipe:
 
 def backend_module(name: str) -> Any:
     """The module that runs a recipe's backend (imported lazily: each pulls in its library)."""
-    return importlib.import_module(f"qserve.backends.{name}")
+    return importlib.import_module(f"qserve.quantize.backends.{name}")
 
 
 class _terminate_as_interrupt:

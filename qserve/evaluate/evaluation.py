@@ -1,0 +1,290 @@
+"""`qserve eval`: lm-eval on the checkpoint and on its baseline in vLLM, then accuracy gates."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from qserve import paths
+from qserve.checkpoint.manifest import Manifest, VllmArgs, library_versions, manifest_digest, read_manifest, verify_files
+from qserve.checkpoint.models import ModelRef, baseline_model
+from qserve.checkpoint.records import resolve_checkpoint
+from qserve.checkpoint.schemes import SCHEMES
+from qserve.device import detect, engine, flags, kv_scales, support, throughput
+from qserve.errors import QserveError
+from qserve.evaluate import baselines, fallback, parity, reports, stats
+from qserve.evaluate.gates import DEFAULT_MIN_RECOVERY, Gate, GateSpec, decide, normalize, verdict
+from qserve.evaluate.lm_eval_run import EngineRun, run_lm_eval
+from qserve.evaluate.stats import ItemValues
+from qserve.evaluate.tasks import TaskDef, get_tasks, lm_eval_config
+from qserve.progress import info, step
+
+
+@dataclass
+class _Plan:
+    """What one eval decides on: the checkpoint, its tasks and gates, and which engine runs them."""
+
+    ckpt: Path
+    manifest: Manifest
+    tasks: list[TaskDef]
+    specs: dict[str, list[GateSpec]]
+    configs: dict[str, dict]
+    device: detect.Device
+    runnable: support.Support
+
+    @property
+    def emulated(self) -> bool:
+        return not self.runnable.runs
+
+
+@dataclass
+class _Baseline:
+    """The unquantized reference: its model, engine arguments and cache entries."""
+
+    model: ModelRef
+    args: VllmArgs
+    kwargs: dict[str, Any]
+    sha256: str
+    keys: dict[str, dict]
+    cached: dict[str, dict]
+
+
+def evaluate(
+    checkpoint: str | Path | None = None,
+    tasks: list[str] | None = None,
+    limit: int | None = None,
+    gates: dict[str, list[GateSpec]] | None = None,
+    data_dir: str | Path | None = None,
+    refresh_baseline: bool = False,
+    check_parity: bool = True,
+    measure_decode: bool = False,
+    kv_cache_dtype: str | None = None,
+) -> dict[str, Any]:
+    """Evaluate a checkpoint against its (cached) baseline, apply the gates, write the reports.
+
+    Where vLLM cannot run the scheme on this device, both sides go through transformers and
+    the summary says `emulated: true`. `kv_cache_dtype`, if given, must match the checkpoint.
+    """
+    plan = _plan(checkpoint, tasks, gates, data_dir, kv_cache_dtype)
+    started = time.monotonic()
+    base_side = _baseline_side(plan, limit, refresh_baseline)
+    quant, parity_result, extra = _quantized_run(
+        plan.ckpt, plan.manifest, plan.device, list(plan.configs.values()), limit, plan.emulated, check_parity, measure_decode
+    )
+    label = f"the baseline {plan.manifest.source_model['id']}"
+    base = _baseline_run(
+        base_side.model.path,
+        label,
+        base_side.args,
+        plan.device,
+        plan.configs,
+        limit,
+        base_side.keys,
+        base_side.cached,
+        plan.emulated,
+    )
+    decided = [_decide(t, spec, base, quant) for t in plan.tasks for spec in plan.specs[t.name]]
+    final = verdict(decided)
+    if "fail" in (parity_result["status"], extra["kv_cache"]["status"]):
+        final = "fail"
+    summary = _summary(plan, base_side, quant, base, decided, final, parity_result, extra, limit, refresh_baseline)
+    summary["timings"]["total_seconds"] = round(time.monotonic() - started, 2)
+    reports.write_all(plan.ckpt, plan.manifest, summary, {"quantized": quant.raw, "baseline": base.raw})
+    return summary
+
+
+def _plan(
+    checkpoint: str | Path | None,
+    tasks: list[str] | None,
+    gates: dict[str, list[GateSpec]] | None,
+    data_dir: str | Path | None,
+    kv_cache_dtype: str | None,
+) -> _Plan:
+    """Checks before any engine starts: integrity, flags, tasks and their gates, the device."""
+    ckpt = resolve_checkpoint(checkpoint)
+    manifest = read_manifest(ckpt)
+    verify_files(ckpt, manifest)
+    flags.check_user_args(ckpt, manifest, {"--kv-cache-dtype": kv_cache_dtype})
+    recipe_gates = {t: normalize(v) for t, v in (manifest.recipe.get("gates") or {}).items()}
+    task_defs = get_tasks(tasks or list(recipe_gates) or ["gsm8k"])
+    specs = {
+        t.name: (gates or {}).get(t.name) or recipe_gates.get(t.name) or [GateSpec(min_recovery=DEFAULT_MIN_RECOVERY)]
+        for t in task_defs
+    }
+    root = paths.data_dir(data_dir)
+    configs = {t.name: lm_eval_config(t, root) for t in task_defs}
+    device = detect.detect_device()
+    support.check_dtype(manifest, device.kind, device.detail)
+    runnable = support.vllm_support(manifest, device.kind)
+    if not runnable.runs:
+        info(
+            f"vLLM cannot run {manifest.scheme} here ({runnable.evidence}): evaluating through transformers; results are EMULATED"
+        )
+    return _Plan(ckpt, manifest, task_defs, specs, configs, device, runnable)
+
+
+def _baseline_side(plan: _Plan, limit: int | None, refresh: bool) -> _Baseline:
+    """The baseline's model, engine arguments and cache keys; cached scores unless `refresh`."""
+    model = baseline_model(plan.manifest)
+    trc = plan.manifest.vllm_args.trust_remote_code
+    args = engine.baseline_args(plan.device, trc)
+    with step("hashing the baseline model for the baseline cache"):
+        sha = baselines.model_digest(model.path)
+    if plan.emulated:
+        kwargs = fallback.lm_kwargs(model.path, None, trc)
+    else:
+        kwargs = engine.engine_kwargs(model.path, args, plan.device)
+    keys = {n: baselines.task_key(sha, cfg, limit, kwargs, plan.device.kind) for n, cfg in plan.configs.items()}
+    cached = {} if refresh else {n: e for n, k in keys.items() if (e := baselines.lookup(k))}
+    return _Baseline(model, args, kwargs, sha, keys, cached)
+
+
+def _summary(
+    plan: _Plan,
+    base_side: _Baseline,
+    quant: EngineRun,
+    base: EngineRun,
+    decided: list[Gate],
+    final: str,
+    parity_result: dict[str, Any],
+    extra: dict[str, Any],
+    limit: int | None,
+    refresh: bool,
+) -> dict[str, Any]:
+    """The eval record (qserve_eval.json): every report and `qserve serve` read it."""
+    manifest, trc = plan.manifest, plan.manifest.vllm_args.trust_remote_code
+    quantized_args = (
+        fallback.lm_kwargs(plan.ckpt, manifest.vllm_args.quantization, trc) if plan.emulated else manifest.vllm_args.model_dump()
+    )
+    return {
+        "checkpoint": str(plan.ckpt.resolve()),
+        "manifest_sha256": manifest_digest(plan.ckpt),
+        "decided_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "verdict": final,
+        "gates": [asdict(g) for g in decided],
+        "parity": parity_result,
+        "kv_cache": extra["kv_cache"],
+        "emulated": plan.emulated,  # true: scores come from transformers, not vLLM
+        "engine": "transformers" if plan.emulated else "vllm",
+        "vllm_support": asdict(plan.runnable),
+        "decode": extra["decode"],
+        "scheme": manifest.scheme,
+        "recipe": manifest.recipe.get("name"),
+        "tasks": [t.name for t in plan.tasks],
+        "limit": limit,
+        "n_samples": {n: (quant.raw.get("n-samples") or {}).get(n) for n in plan.configs},
+        "device": asdict(plan.device),
+        "engine_args": {
+            "quantized": quantized_args,
+            "baseline": base_side.kwargs if plan.emulated else base_side.args.model_dump(),
+        },
+        "baseline_model": {"id": manifest.source_model["id"], "path": str(base_side.model.path), "sha256": base_side.sha256},
+        "baseline_cache": {
+            "hits": sorted(base_side.cached),
+            "misses": sorted(set(plan.configs) - set(base_side.cached)),
+            "refresh": refresh,
+        },
+        "versions": manifest.versions | {"lm-eval": library_versions()["lm-eval"]},
+        "timings": {"quantized_eval_seconds": quant.seconds, "baseline_eval_seconds": base.seconds},
+    }
+
+
+def _quantized_run(
+    ckpt: Path,
+    manifest: Manifest,
+    device: detect.Device,
+    configs: list[dict],
+    limit: int | None,
+    emulated: bool,
+    check_parity: bool,
+    measure_decode: bool,
+) -> tuple[EngineRun, dict[str, Any], dict[str, Any]]:
+    """lm-eval on the checkpoint, plus what shares its vLLM engine: parity, decode speed, KV scales."""
+
+    def on_engine(lm: Any) -> dict[str, Any]:
+        return {
+            "generations": parity.vllm_generations(lm) if check_parity else None,
+            "decode": throughput.decode_throughput(lm) if measure_decode else None,
+            "kv_cache": kv_scales.check_kv_scales(kv_scales.kv_scales(lm), manifest.vllm_args.kv_cache_dtype),
+        }
+
+    label = "the quantized checkpoint"
+    quant = run_lm_eval(ckpt, manifest.vllm_args, device, configs, limit, label, None if emulated else on_engine, emulated)
+    extra = quant.extra or {"generations": None, "decode": None, "kv_cache": _skipped("emulated: no vLLM engine")}
+    if emulated:
+        parity_result = _skipped("emulated: vLLM cannot run this scheme here, so there is no engine to compare")
+    elif check_parity:
+        parity_result = _parity(ckpt, manifest, extra["generations"])
+    else:
+        parity_result = _skipped("--no-parity")
+    if extra["kv_cache"]["status"] == "fail":
+        info(f"KV CACHE CHECK FAILED: {extra['kv_cache']['reason']}")
+    return quant, parity_result, extra
+
+
+def _skipped(reason: str) -> dict[str, str]:
+    return {"status": "skipped", "reason": reason}
+
+
+def _parity(ckpt: Path, manifest: Manifest, generations: list) -> dict[str, Any]:
+    tolerance = parity.tolerance_for(SCHEMES[manifest.scheme].activations, manifest.vllm_args.kv_cache_dtype)
+    with step("engine parity: transformers teacher-forced on vLLM's greedy tokens") as timing:
+        result = parity.compare_with_transformers(ckpt, generations, tolerance, manifest.vllm_args.trust_remote_code)
+    result["seconds"] = timing["seconds"]
+    if result["status"] == "fail":
+        info(f"ENGINE PARITY FAILED: vLLM and transformers disagree on this checkpoint ({result['reason']})")
+    return result
+
+
+def _baseline_run(
+    model_path: Path,
+    label: str,
+    args: VllmArgs,
+    device: detect.Device,
+    configs: dict,
+    limit: int | None,
+    keys: dict,
+    cached: dict,
+    emulated: bool = False,
+) -> EngineRun:
+    """Cached tasks from the cache; the rest through one baseline engine, then stored."""
+    for name in cached:
+        info(f"baseline for {name}: cached ({baselines.entry_path(keys[name]).name})")
+    missing = [n for n in configs if n not in cached]
+    run = EngineRun(raw={})
+    if missing:
+        run = run_lm_eval(model_path, args, device, [configs[n] for n in missing], limit, label, emulated=emulated)
+        for name in missing:
+            baselines.store(keys[name], _task_slice(run.raw, name), run.items.get(name, {}))
+    for name, entry in cached.items():
+        for section, values in entry["result"].items():
+            run.raw.setdefault(section, {})[name] = values
+        run.items[name] = entry["items"]
+    return run
+
+
+def _task_slice(raw: dict, task: str) -> dict:
+    return {section: values[task] for section, values in raw.items() if isinstance(values, dict) and task in values}
+
+
+def _decide(task: TaskDef, spec: GateSpec, base: EngineRun, quant: EngineRun) -> Gate:
+    metric = spec.metric or task.metric
+    hib = task.higher_is_better if metric == task.metric else _higher_is_better(quant.raw, task.name, metric)
+    cmp = stats.compare(metric, hib, _score(base, task.name, metric), _score(quant, task.name, metric))
+    return decide(task.name, spec, cmp)
+
+
+def _higher_is_better(raw: dict, task: str, metric: str) -> bool:
+    return bool((raw.get("higher_is_better") or {}).get(task, {}).get(metric.partition(",")[0], True))
+
+
+def _score(run: EngineRun, task: str, metric: str) -> tuple[float, float | None, ItemValues | None]:
+    res = run.raw["results"].get(task, {})
+    if metric not in res:
+        raise QserveError(f"lm-eval returned no {metric!r} for {task}; it reported {', '.join(k for k in res if k != 'alias')}")
+    name, _, filt = metric.partition(",")
+    stderr = res.get(f"{name}_stderr,{filt}")
+    return float(res[metric]), float(stderr) if isinstance(stderr, (int, float)) else None, run.items.get(task, {}).get(metric)

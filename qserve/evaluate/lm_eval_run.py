@@ -1,0 +1,63 @@
+"""lm-eval as qserve runs it: all tasks through one engine, results without per-sample logs,
+and per-item values kept for the paired noise estimate."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qserve.checkpoint.manifest import VllmArgs
+from qserve.device import detect, engine
+from qserve.evaluate import fallback, stats
+from qserve.evaluate.stats import ItemValues
+from qserve.progress import step
+
+
+@dataclass
+class EngineRun:
+    """One engine's lm-eval output: results without per-sample logs, per-item values, timing."""
+
+    raw: dict[str, Any]
+    items: dict[str, dict[str, ItemValues]] = field(default_factory=dict)  # task -> metric -> items
+    seconds: float = 0.0
+    extra: Any = None
+
+
+def run_lm_eval(
+    model_path: Path,
+    args: VllmArgs,
+    device: detect.Device,
+    configs: list[dict],
+    limit: int | None,
+    label: str,
+    during: Callable[[Any], Any] | None = None,
+    emulated: bool = False,
+) -> EngineRun:
+    """All tasks through one vLLM engine (transformers if `emulated`); `during(lm)` runs on it before it stops."""
+    import lm_eval
+
+    names = [c["task"] for c in configs]
+    if emulated:
+        opened = fallback.open_transformers(model_path, args.quantization, label, args.trust_remote_code)
+    else:
+        opened = engine.open_engine(model_path, args, device, label)
+    with opened as lm:
+        with step(f"lm-eval on {label}: {', '.join(names)}" + (f" (limit {limit})" if limit else "")) as timing:
+            out = lm_eval.simple_evaluate(model=lm, tasks=configs, limit=limit, log_samples=True, bootstrap_iters=1000)
+        extra = during(lm) if during else None
+    keep = ("results", "n-samples", "configs", "versions", "higher_is_better")
+    raw = _jsonable({k: out[k] for k in keep if k in out})
+    items = {n: _items(out.get("samples", {}).get(n, []), raw["results"].get(n, {})) for n in names}
+    return EngineRun(raw, items, timing["seconds"], extra)
+
+
+def _items(samples: list[dict], results: dict) -> dict[str, ItemValues]:
+    keys = [k for k in results if "," in k and "_stderr" not in k]
+    return {k: v for k in keys if (v := stats.item_values(samples, k))}
+
+
+def _jsonable(obj: Any) -> Any:
+    return json.loads(json.dumps(obj, default=str))
