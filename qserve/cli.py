@@ -182,7 +182,8 @@ def eval_(
     raise typer.Exit(code)
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+# Extra arguments only after `--` (they go to vLLM); an unknown option before it is a typo, not a pass-through.
+@app.command(context_settings={"allow_extra_args": True})
 @_user_errors
 def serve(
     ctx: typer.Context,
@@ -192,7 +193,15 @@ def serve(
     skip_gate: Annotated[
         bool, typer.Option("--skip-gate", help="Serve even without a passing gate (not for production).")
     ] = False,
-    api_key: Annotated[str | None, typer.Option("--api-key", envvar="QSERVE_API_KEY", help="Require this bearer token.")] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--api-key",
+            envvar="QSERVE_API_KEY",
+            help="Require this bearer token on every route but /health, /ping, /version and /metrics. "
+            "An inherited VLLM_API_KEY is used (and reported) when neither this nor QSERVE_API_KEY is set.",
+        ),
+    ] = None,
     ready_timeout: ReadyTimeoutOpt = 900.0,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -209,7 +218,7 @@ def serve(
 
     _vllm_logs_to_stderr()  # stdout: the endpoint and curl lines only
     run(
-        checkpoint, host=host, port=port, skip_gate=skip_gate, api_key=api_key, extra_args=list(ctx.args),
+        checkpoint, host=host, port=port, skip_gate=skip_gate, extra_args=list(ctx.args), **_api_key(api_key),
         ready_timeout=ready_timeout, verbose=verbose,
     )  # fmt: skip
 
@@ -313,6 +322,18 @@ def doctor(
         report = diagnose(probe)
     typer.echo(json.dumps(report, indent=2) if as_json else format_report(report))
     raise typer.Exit(0 if report["ok"] else EXIT_ERROR)
+
+
+def _api_key(value: str | None) -> dict[str, str | None]:
+    """The API key and where it came from: --api-key, QSERVE_API_KEY, or an inherited VLLM_API_KEY (reported)."""
+    if value is not None:
+        flag = any(a == "--api-key" or a.startswith("--api-key=") for a in sys.argv)
+        return {"api_key": value, "key_source": "--api-key" if flag else "QSERVE_API_KEY"}
+    inherited = os.environ.get("VLLM_API_KEY")
+    if inherited:
+        typer.echo("note: using the API key inherited in VLLM_API_KEY (pass --api-key to choose one)", err=True)
+        return {"api_key": inherited, "key_source": "VLLM_API_KEY"}
+    return {"api_key": None, "key_source": "--api-key"}
 
 
 def _split(value: str | None) -> list[str] | None:

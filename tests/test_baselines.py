@@ -62,3 +62,53 @@ def test_model_digest_follows_content(isolated_cache: Path) -> None:
     assert baselines.model_digest(model) == first
     (model / "model.safetensors").write_bytes(b"abd")
     assert baselines.model_digest(model) != first
+
+
+def test_key_covers_torch_transformers_and_the_device_in_detail(isolated_cache: Path, monkeypatch) -> None:
+    from qserve.device.detect import Device, fingerprint
+
+    data = isolated_cache / "test.jsonl"
+    data.write_text("{}\n")
+    real = baselines.library_versions()
+    key = baselines.task_key("m", _config(data), 10, {}, "cpu: A; avx2")
+    assert (key["torch"], key["transformers"]) == (real["torch"], real["transformers"])
+    for name in ("torch", "transformers", "lm-eval"):
+        monkeypatch.setattr(baselines, "library_versions", lambda n=name: real | {n: "0.0.0"})
+        assert baselines.task_key("m", _config(data), 10, {}, "cpu: A; avx2") != key, name
+    monkeypatch.undo()
+    assert baselines.task_key("m", _config(data), 10, {}, "cpu: A; avx2 avx512f") != key  # another ISA
+    assert fingerprint(Device("cuda", "NVIDIA H100 (compute capability 9.0)")) == "cuda: NVIDIA H100 (compute capability 9.0)"
+    here = fingerprint(Device("cpu", "vLLM CPU build"))
+    assert here.startswith("cpu: ") and "avx2" in here.split("; ")[1].split()
+
+
+def test_key_follows_the_code_of_a_function_hook(isolated_cache: Path, monkeypatch) -> None:
+    import importlib
+    import sys
+
+    data = isolated_cache / "test.jsonl"
+    data.write_text("{}\n")
+    hook = isolated_cache / "qserve_test_hook.py"
+    hook.write_text("def process_docs(ds):\n    return ds\n")
+    monkeypatch.syspath_prepend(str(isolated_cache))
+    module = importlib.import_module("qserve_test_hook")
+    key = baselines.task_key("m", _config(data) | {"process_docs": module.process_docs}, None, {}, "cpu")
+    hook.write_text("def process_docs(ds):\n    return ds.select(range(1))\n")  # same name, other behaviour
+    module = importlib.reload(module)
+    assert baselines.task_key("m", _config(data) | {"process_docs": module.process_docs}, None, {}, "cpu") != key
+    del sys.modules["qserve_test_hook"]
+
+
+def test_model_digest_reads_content_not_size_and_mtime(isolated_cache: Path) -> None:
+    import os
+
+    model = isolated_cache / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    weights = model / "model.safetensors"
+    weights.write_bytes(b"abc")
+    first = baselines.model_digest(model)
+    stat = weights.stat()
+    weights.write_bytes(b"xyz")  # same size ...
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # ... and the same mtime
+    assert baselines.model_digest(model) != first

@@ -51,3 +51,10 @@ def test_eval_on_a_directory_that_is_no_checkpoint(tmp_path: Path) -> None:
 def test_serve_rejects_bad_port() -> None:
     proc = run_qserve("serve", ".", "--port", "70000")
     assert proc.returncode == 2
+
+
+def test_serve_option_typo_without_double_dash_is_an_error_not_a_pass_through() -> None:
+    """vLLM options go after `--`; before it, an option qserve does not know is refused before anything runs."""
+    proc = run_qserve("serve", ".", "--max-model-len", "4096")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == "Error: No such option: --max-model-len"

@@ -37,8 +37,8 @@ def test_eval_writes_results_and_passes(passed_eval) -> None:
     mc = gates["gsm8k_mc"]
     assert mc["baseline_stderr"] == raw["baseline"]["results"]["gsm8k_mc"]["acc_stderr,none"]
     gsm = gates["gsm8k"]
-    if gsm["baseline"] == 0:
-        assert gsm["status"] == "inconclusive" and gsm["recovery"] is None
+    # A zero baseline leaves recovery undefined, and then the gate cannot pass (test_gates covers both ways).
+    assert (gsm["recovery"] is None) == (gsm["baseline"] == 0) and (gsm["baseline"] > 0 or gsm["status"] == "inconclusive")
     assert summary["parity"]["status"] == "pass" and summary["emulated"] is False
     assert summary["engine_args"]["quantized"] == {
         "quantization": "compressed-tensors",
@@ -106,8 +106,10 @@ def test_empty_cache_and_refresh_run_the_baseline(checkpoints, tmp_path: Path) -
     env = {"QSERVE_CACHE_DIR": str(tmp_path / "cache")}  # an empty cache of its own
 
     def run(*extra: str) -> tuple[str, dict]:
-        proc = run_qserve("eval", ckpt, "--tasks", "gsm8k_ppl", "--no-parity", "--gate", "gsm8k_ppl=0.5", *extra, env=env)
-        assert proc.returncode in (0, 4), proc.stderr[-3000:]
+        # A gate far from the scores (perplexity may grow 50x): the cache, not the gate, is under test.
+        gate = "gsm8k_ppl:max_increase=50"
+        proc = run_qserve("eval", ckpt, "--tasks", "gsm8k_ppl", "--no-parity", "--gate", gate, *extra, env=env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
         return proc.stderr, json.loads((ckpt / EVAL_NAME).read_text())
 
     stderr, first = run("--limit", "3")

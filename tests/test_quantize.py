@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import QSERVE, REPO, run_qserve
 
-from qserve.checkpoint.manifest import MANIFEST_NAME, read_manifest, sha256_file
+from qserve.checkpoint.manifest import MANIFEST_NAME, hash_files, read_manifest, sha256_file, verify_files
 from qserve.errors import QserveError
 from qserve.quantize.pipeline import check_shapes
 from qserve.quantize.recipe import parse_recipe
@@ -139,3 +139,113 @@ def test_truncated_model_weights_are_refused(tmp_path: Path, embedded_model_dir:
     proc = run_qserve("quantize", REPO / "recipes" / "fp8.yaml", "--model", model, "--output", tmp_path / "out")
     assert proc.returncode == 1
     assert f"model weights {model}/model.safetensors are unreadable, corrupt or truncated" in proc.stderr
+
+
+PLAIN_FP8 = REPO / "recipes" / "llmcompressor-fp8-dynamic.yaml"  # data-free: seconds
+
+
+def _leftovers(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if ".partial" in p.name or ".old-" in p.name)
+
+
+def test_publish_replaces_only_with_force_and_only_when_complete(tmp_path: Path) -> None:
+    from qserve.quantize.pipeline import publish
+
+    out = tmp_path / "out"
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "weights").write_text(name)
+    publish(tmp_path / "a", out, force=False)
+    with pytest.raises(QserveError, match=r"appeared while this run worked .*this run's result was discarded"):
+        publish(tmp_path / "b", out, force=False)
+    assert (out / "weights").read_text() == "a"
+    publish(tmp_path / "b", out, force=True)
+    assert (out / "weights").read_text() == "b" and _leftovers(tmp_path) == []
+
+
+def test_output_overlapping_the_source_model_is_refused(tmp_path: Path, embedded_model_dir: Path) -> None:
+    for out in (embedded_model_dir, embedded_model_dir / "quantized", embedded_model_dir.parent):
+        proc = run_qserve("quantize", PLAIN_FP8, "--model", embedded_model_dir, "--output", out, "--force")
+        assert proc.returncode == 1
+        assert proc.stderr.strip().splitlines()[-1] == (
+            f"error: --output {out} overlaps the source model {embedded_model_dir}; choose a directory outside it"
+        )
+    assert not (embedded_model_dir / "quantized").exists()
+
+
+def test_force_replaces_only_a_qserve_checkpoint(tmp_path: Path) -> None:
+    precious = tmp_path / "notes"
+    precious.mkdir()
+    (precious / "todo.txt").write_text("keep me")
+    proc = run_qserve("quantize", PLAIN_FP8, "--output", precious, "--force")
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1].startswith(
+        f"error: --force replaces only a qserve checkpoint, and {precious} has no {MANIFEST_NAME}"
+    )
+    assert (precious / "todo.txt").read_text() == "keep me"
+
+
+@pytest.mark.slow
+def test_force_keeps_the_old_checkpoint_until_the_new_one_is_complete(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert run_qserve("quantize", PLAIN_FP8, "--output", out).returncode == 0
+    before = hash_files(out)
+    card = (out / "README.md").read_text()
+    assert card.startswith("# out\n") and f"qserve serve {out}`" in card  # the final name, not the build dir's
+    # A --force run with a calibrated recipe, stopped while it calibrates: the old checkpoint stays whole.
+    proc = subprocess.Popen(
+        [*QSERVE, "quantize", REPO / "recipes" / "w4a16-gptq.yaml", "--output", out, "--force"],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    for line in proc.stderr:
+        if line.startswith("> quantizing"):
+            break
+    time.sleep(3)
+    proc.send_signal(signal.SIGTERM)
+    proc.stderr.read()
+    assert proc.wait(timeout=60) == 130
+    assert hash_files(out) == before and _leftovers(tmp_path) == []
+    verify_files(out, read_manifest(out))
+
+
+@pytest.mark.slow
+def test_concurrent_runs_to_one_output_never_corrupt_it(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    procs = [
+        subprocess.Popen([*QSERVE, "quantize", PLAIN_FP8, "--output", out, "--force"], stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    codes = [p.wait(timeout=600) for p in procs]
+    assert codes == [0, 0], [p.stderr.read()[-2000:] for p in procs]
+    verify_files(out, read_manifest(out))  # one complete checkpoint, whichever finished last
+    assert _leftovers(tmp_path) == []
+
+
+def test_every_file_but_qserves_records_is_hashed_and_checked(tmp_path: Path) -> None:
+    from qserve.checkpoint.manifest import Manifest, VllmArgs, write_manifest
+
+    ckpt = tmp_path / "ck"
+    (ckpt / "sub").mkdir(parents=True)
+    for name in ("model.safetensors", "modeling_custom.py", "pytorch_model.bin", "chat_template.jinja", "sub/extra.pt"):
+        (ckpt / name).write_text(name)
+    files = hash_files(ckpt)
+    assert sorted(files) == ["chat_template.jinja", "model.safetensors", "modeling_custom.py", "pytorch_model.bin", "sub/extra.pt"]
+    manifest = Manifest(
+        created_at="t", scheme="W8A8", recipe={}, recipe_source={}, source_model={}, calibration=None, versions={},
+        vllm_args=VllmArgs(quantization=None), timings={}, files=files,
+    )  # fmt: skip
+    write_manifest(ckpt, manifest)
+    # qserve's own records may come and go: the model card, eval records, logs, a crashed write's temp file.
+    for record in ("README.md", "qserve_eval.json", "qserve_eval.md", "lm_eval_results.json", "logs/serve.log", "qserve_eval.json.77.tmp"):
+        (ckpt / record).parent.mkdir(exist_ok=True)
+        (ckpt / record).write_text("record")
+    verify_files(ckpt, manifest)
+    (ckpt / "sitecustomize.py").write_text("import os")
+    (ckpt / "modeling_custom.py").write_text("changed")
+    (ckpt / "sub" / "extra.pt").unlink()
+    with pytest.raises(QserveError) as e:
+        verify_files(ckpt, manifest)
+    assert str(e.value) == (
+        f"checkpoint {ckpt} does not match its manifest (missing sub/extra.pt; changed modeling_custom.py; "
+        "unexpected sitecustomize.py): it was modified after quantization"
+    )

@@ -9,7 +9,7 @@ import pytest
 from qserve.checkpoint.manifest import Manifest, VllmArgs
 from qserve.device.detect import Device
 from qserve.errors import QserveError
-from qserve.serve.plan import parse_extra_args, plan
+from qserve.serve.plan import plan
 
 CPU = Device("cpu", "test")
 GPU = Device("cuda", "test GPU")
@@ -32,7 +32,15 @@ def manifest(**vllm) -> Manifest:
 
 
 def flags(cmd: list[str]) -> dict[str, str | None]:
-    return dict(parse_extra_args(cmd[cmd.index("serve") + 2 :]))
+    """`--flag value`, `--flag=value` and bare `--flag` after the model, as a dict (the last one wins)."""
+    out: dict[str, str | None] = {}
+    tokens = cmd[cmd.index("serve") + 2 :]
+    for i, token in enumerate(tokens):
+        if token.startswith("--"):
+            flag, eq, value = token.partition("=")
+            following = tokens[i + 1] if i + 1 < len(tokens) and not tokens[i + 1].startswith("--") else None
+            out[flag] = value if eq else following
+    return out
 
 
 def test_matched_arguments_and_loopback_default(tmp_path: Path) -> None:
@@ -74,17 +82,38 @@ def test_agreeing_matched_flag_is_accepted_once(tmp_path: Path) -> None:
             ["--quantization", "awq"],
             "--quantization awq contradicts the checkpoint, which needs --quantization compressed-tensors",
         ),
-        (["-q", "fp8"], "-q fp8 contradicts the checkpoint, which needs -q compressed-tensors"),
-        (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 contradicts the checkpoint, which needs --kv-cache-dtype auto"),
+        # Normalised as vLLM parses them: short forms, underscores, `=`, unambiguous abbreviations.
+        (["-q", "fp8"], "--quantization fp8 contradicts the checkpoint, which needs --quantization compressed-tensors"),
+        (["--kv_cache_dtype", "fp8"], "--kv-cache-dtype fp8 contradicts the checkpoint, which needs --kv-cache-dtype auto"),
+        (["--kv-cache-dtype=fp8"], "--kv-cache-dtype fp8 contradicts the checkpoint, which needs --kv-cache-dtype auto"),
         (["--dtype", "float16"], "--dtype float16 contradicts the checkpoint, which needs --dtype bfloat16"),
+        (["--dty", "float16"], "--dtype float16 contradicts the checkpoint, which needs --dtype bfloat16"),
+        (["--dtype", "bfloat16", "--dtype", "auto"], "--dtype auto contradicts the checkpoint"),  # the last one wins
+        # Settings that change which weights, tokenizer or numerics are served.
+        (["--load-format", "dummy"], "--load-format would change what is served ('auto' -> 'dummy')"),
+        (["--no-enforce-eager"], "--enforce-eager would change what is served (True -> False)"),
+        (["--tokenizer", "/elsewhere"], "--tokenizer would change what is served (None -> '/elsewhere')"),
+        (["--trust-remote-code"], "--trust-remote-code would change what is served (False -> True)"),
+        (["--hf-overrides", '{"rope_theta": 1}'], "--hf-overrides would change what is served ({} -> {'rope_theta': 1})"),
+        (["--revision=main"], "--revision would change what is served (None -> 'main')"),
         (["--port", "1"], "pass --port as qserve's own --port option"),
-        (["tensor-parallel-size"], "unexpected vLLM argument 'tensor-parallel-size'"),
+        (["--api_key", "k"], "pass --api-key as qserve's own --api-key (or QSERVE_API_KEY) option"),
+        (["tensor-parallel-size"], "vLLM does not accept the options after `--`: unrecognized arguments: tensor-parallel-size"),
+        (["--kv-cache-dt", "fp8"], "vLLM does not accept the options after `--`: ambiguous option: --kv-cache-dt could match"),
+        (["--max-model-len", "many"], "vLLM does not accept the options after `--`: argument --max-model-len"),
     ],
 )
 def test_contradicting_or_misplaced_flags_are_refused(tmp_path: Path, extra: list[str], message: str) -> None:
     with pytest.raises(QserveError) as e:
         plan(tmp_path / "ck", manifest(), CPU, "127.0.0.1", 8000, extra_args=extra)
     assert str(e.value).startswith(message)
+
+
+def test_capacity_and_placement_flags_pass_through(tmp_path: Path) -> None:
+    extra = ["--max_model_len", "4096", "--max-num-seqs=8", "--tensor-parallel-size", "2", "--seed", "3"]
+    p = plan(tmp_path / "ck", manifest(), CPU, "127.0.0.1", 8000, extra_args=extra)
+    assert p.command[-len(extra) :] == extra  # as the user wrote them, after qserve's own
+    assert "--max-model-len" not in p.command  # qserve's default gave way to the user's
 
 
 def test_api_key_stays_out_of_the_command_line(tmp_path: Path) -> None:
@@ -95,3 +124,64 @@ def test_api_key_stays_out_of_the_command_line(tmp_path: Path) -> None:
 def test_trust_remote_code_only_when_recorded(tmp_path: Path) -> None:
     p = plan(tmp_path / "ck", manifest(trust_remote_code=True), CPU, "127.0.0.1", 8000)
     assert "--trust-remote-code" in p.command
+
+
+def test_a_key_guards_every_route_through_qserves_middleware(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("VLLM_API_KEY", "inherited")
+    p = plan(tmp_path / "ck", manifest(), CPU, "127.0.0.1", 8000, api_key="s3cret")
+    assert flags(p.command)["--middleware"] == "qserve.serve.auth.KeyOnEveryRoute" and p.env["VLLM_API_KEY"] == "s3cret"
+    open_plan = plan(tmp_path / "ck", manifest(), CPU, "127.0.0.1", 8000)
+    assert "VLLM_API_KEY" not in open_plan.env and "--middleware" not in open_plan.command  # never silently inherited
+
+
+def _asgi(path: str, method: str = "POST", auth: str | None = None) -> tuple[int, bool]:
+    """(status sent, whether the request reached the app) for one request through the middleware."""
+    import asyncio
+
+    from qserve.serve.auth import KeyOnEveryRoute
+
+    reached, sent = [], []
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    async def send(message):
+        sent.append(message)
+
+    headers = [(b"authorization", auth.encode())] if auth else []
+    scope = {"type": "http", "method": method, "path": path, "headers": headers}
+    asyncio.run(KeyOnEveryRoute(app)(scope, None, send))
+    return sent[0]["status"], bool(reached)
+
+
+@pytest.mark.parametrize(
+    ("path", "method", "auth", "expected"),
+    [
+        ("/invocations", "POST", None, (401, False)),  # vLLM's own key check leaves this route open
+        ("/generative_scoring", "POST", "Bearer wrong", (401, False)),
+        ("/scale_elastic_ep", "POST", "Basic s3cret", (401, False)),
+        ("/invocations", "POST", "Bearer s3cret", (200, True)),
+        ("/v1/completions", "POST", "bearer s3cret", (200, True)),
+        ("/health", "GET", None, (200, True)),
+        ("/metrics", "GET", None, (200, True)),
+        ("/health", "POST", None, (401, False)),
+    ],
+)
+def test_key_middleware(monkeypatch, path: str, method: str, auth: str | None, expected: tuple[int, bool]) -> None:
+    monkeypatch.setenv("VLLM_API_KEY", "s3cret")
+    assert _asgi(path, method, auth) == expected
+
+
+def test_non_loopback_without_a_key_is_warned_about(capsys) -> None:
+    from qserve.serve.server import _warn_about_access
+
+    _warn_about_access("0.0.0.0", None, "--api-key")
+    assert capsys.readouterr().err.startswith("warning: 0.0.0.0 is reachable from other machines and no API key is set")
+    for host in ("127.0.0.1", "localhost", "::1"):
+        _warn_about_access(host, None, "--api-key")
+    _warn_about_access("0.0.0.0", "k", "QSERVE_API_KEY")
+    assert (
+        capsys.readouterr().err
+        == "requests need the API key from QSERVE_API_KEY on every route but /health, /ping, /version and /metrics\n"
+    )

@@ -6,9 +6,9 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from qserve.checkpoint.manifest import Manifest
+from qserve.checkpoint.manifest import CARD_NAME, Manifest
 
-CARD_NAME = "README.md"
+__all__ = ["CARD_NAME", "gate_rows", "md_table", "model_card", "vllm_serve_command"]
 
 
 def gate_rows(summary: dict[str, Any]) -> list[tuple[str, ...]]:

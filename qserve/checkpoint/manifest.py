@@ -14,10 +14,13 @@ from qserve.errors import QserveError
 MANIFEST_NAME = "qserve_manifest.json"
 EVAL_NAME = "qserve_eval.json"
 LM_EVAL_RESULTS_NAME = "lm_eval_results.json"
-# qserve's own records, rewritten by every eval: never part of the checkpoint's identity.
-RECORD_NAMES = {MANIFEST_NAME, EVAL_NAME, LM_EVAL_RESULTS_NAME}
-# Files whose content determines what vLLM loads; each is hashed into the manifest.
-HASHED_SUFFIXES = (".safetensors", ".json", ".jinja", ".model", ".txt")
+CARD_NAME = "README.md"  # the model card (qserve writes it; eval rewrites it with results)
+REPORT_NAME = "qserve_eval.md"
+# qserve's own records beside the weights, rewritten by eval and serve: the only files a
+# manifest does not hash. Everything else (weights, configs, tokenizer, templates, code,
+# .bin/.pt files) is hashed, and an added, removed or changed file is refused.
+RECORD_NAMES = {MANIFEST_NAME, EVAL_NAME, LM_EVAL_RESULTS_NAME, CARD_NAME, REPORT_NAME}
+RECORD_DIRS = {"logs"}  # <checkpoint>/logs/serve.log
 TRACKED_PACKAGES = (
     "qserve",
     "torch",
@@ -75,8 +78,14 @@ def sha256_file(path: Path) -> str:
 
 
 def hashed_paths(directory: Path) -> list[Path]:
-    """The files that determine what vLLM loads from `directory` (qserve's own records excluded)."""
-    return [p for p in sorted(directory.rglob("*")) if p.is_file() and p.suffix in HASHED_SUFFIXES and p.name not in RECORD_NAMES]
+    """Every file in `directory` except qserve's own records (RECORD_NAMES at the top, RECORD_DIRS)."""
+    return [p for p in sorted(directory.rglob("*")) if p.is_file() and not _is_record(p.relative_to(directory))]
+
+
+def _is_record(rel: Path) -> bool:
+    # records.write_text writes "<record>.<pid>.tmp" first; one left by a crash is still a record's
+    name = rel.name.rsplit(".", 2)[0] if rel.name.endswith(".tmp") else rel.name
+    return (len(rel.parts) == 1 and name in RECORD_NAMES) or rel.parts[0] in RECORD_DIRS
 
 
 def hash_files(directory: Path) -> dict[str, str]:
@@ -109,7 +118,7 @@ def verify_files(directory: Path, manifest: Manifest) -> None:
     actual = hash_files(directory)
     missing = sorted(set(manifest.files) - set(actual))
     changed = sorted(f for f in manifest.files if f in actual and actual[f] != manifest.files[f])
-    added = sorted(f for f in set(actual) - set(manifest.files) if f.endswith(".safetensors"))
+    added = sorted(set(actual) - set(manifest.files))
     problems = (
         [f"missing {', '.join(missing)}"] * bool(missing)
         + [f"changed {', '.join(changed)}"] * bool(changed)

@@ -96,3 +96,17 @@ def scheme_of_checkpoint(quantization_config: dict[str, Any]) -> str | None:
     if kind[:2] == ("float", 4) and w.get("group_size") == 32:  # NVFP4 uses 16
         return "MXFP4" if a else "MXFP4A16"
     return None
+
+
+def scheme_of_quark_checkpoint(quantization_config: dict[str, Any]) -> str | None:
+    """Which qserve scheme an exported Quark config (`quant_method: quark`) implements (None if none)."""
+    glob = quantization_config.get("global_quant_config") or {}
+    w, a = glob.get("weight") or {}, glob.get("input_tensors")
+    kind = (w.get("dtype"), a and a.get("dtype"))
+    if kind == ("int4", None):
+        return "W4A16"
+    if kind == ("fp8_e4m3", "fp8_e4m3"):
+        return "FP8" if not a.get("is_dynamic") else None
+    if kind == ("fp4", "fp4") and w.get("group_size") == 32:
+        return "MXFP4"
+    return None

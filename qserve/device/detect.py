@@ -47,3 +47,15 @@ def cpu_fields() -> dict[str, str]:
 def cpu_flags() -> frozenset[str]:
     """The ISA flags the kernel reports for this CPU (avx2, avx512f, amx_tile, ...)."""
     return frozenset(cpu_fields().get("flags", "").split())
+
+
+# The CPU features vLLM-CPU's kernels (and torch's) dispatch on: they can change a score.
+_KERNEL_FLAGS = ("avx", "amx", "fma", "f16c", "sse4", "vnni", "bf16")
+
+
+def fingerprint(device: Device) -> str:
+    """The device in enough detail that two runs with equal fingerprints compute alike."""
+    if device.kind != "cpu":
+        return f"{device.kind}: {device.detail}"
+    flags = sorted(f for f in cpu_flags() if f.startswith(_KERNEL_FLAGS))
+    return f"cpu: {cpu_fields().get('model name', 'unknown')}; {' '.join(flags)}"

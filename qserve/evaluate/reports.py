@@ -11,10 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from qserve.checkpoint.card import CARD_NAME, gate_rows, md_table, model_card
-from qserve.checkpoint.manifest import EVAL_NAME, LM_EVAL_RESULTS_NAME, Manifest
+from qserve.checkpoint.manifest import EVAL_NAME, LM_EVAL_RESULTS_NAME, REPORT_NAME, Manifest
 from qserve.checkpoint.records import write_json, write_text
-
-REPORT_NAME = "qserve_eval.md"
 
 
 def write_all(ckpt: Path, manifest: Manifest, summary: dict[str, Any], raw: dict[str, Any]) -> None:

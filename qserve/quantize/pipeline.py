@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import resource
 import shutil
 import signal
+import tempfile
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -15,7 +17,7 @@ from typing import Any
 
 from qserve import paths
 from qserve.checkpoint.card import CARD_NAME, model_card
-from qserve.checkpoint.manifest import Manifest, VllmArgs, hash_files, library_versions, write_manifest
+from qserve.checkpoint.manifest import MANIFEST_NAME, Manifest, VllmArgs, hash_files, library_versions, write_manifest
 from qserve.checkpoint.models import ModelRef, resolve_model
 from qserve.checkpoint.records import write_text
 from qserve.checkpoint.schemes import SCHEMES
@@ -50,6 +52,7 @@ def quantize(
     if out.exists() and not force:
         raise QserveError(f"output {out} already exists; pass --force to replace it or --output to choose another")
     ref = resolve_model(model or recipe.model)
+    check_output(out, ref.path)
     check_shapes(ref.path, recipe, trust_remote_code)
     recipe = with_default_calibration(recipe)
 
@@ -59,23 +62,60 @@ def quantize(
 
         texts, calib_record = load_texts(recipe.calibration, paths.data_dir(data_dir), ref.path)
 
-    # Build next to the target and rename at the end: a crash or Ctrl-C never
-    # leaves a directory at `out` that looks like a finished checkpoint.
+    # Build next to the target in a directory of this run's own, and move it into place only
+    # when complete: a crash, a Ctrl-C or a concurrent run never leaves a directory at `out`
+    # that looks like a finished checkpoint, and --force keeps the old one until then.
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(f".{out.name}.partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir()
+    partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    partial.chmod(0o777 & ~umask)  # mkdtemp's 0700 would make the checkpoint private
     try:
         with _terminate_as_interrupt():
             manifest = _run(ref, recipe, recipe_path, recipe_sha, texts, calib_record, partial, trust_remote_code)
-        if out.exists():
-            shutil.rmtree(out)
-        partial.rename(out)
+        # The card names the final directory; `qserve eval` rewrites it with results. Not hashed.
+        write_text(partial / CARD_NAME, model_card(out, manifest, None))
+        publish(partial, out, force)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     paths.remember_checkpoint(out)
     info(f"checkpoint written to {out}")
     return QuantizeResult(out, manifest)
+
+
+def check_output(out: Path, source: Path) -> None:
+    """Refuse an output that overlaps the source model, or that --force would wrongly delete."""
+    o, src = out.resolve(), source.resolve()
+    if o == src or src in o.parents or o in src.parents:
+        raise QserveError(f"--output {out} overlaps the source model {source}; choose a directory outside it")
+    if out.exists() and not (out / MANIFEST_NAME).is_file() and (not out.is_dir() or any(out.iterdir())):
+        raise QserveError(
+            f"--force replaces only a qserve checkpoint, and {out} has no {MANIFEST_NAME}; remove it yourself or choose another --output"
+        )
+
+
+def publish(partial: Path, out: Path, force: bool) -> None:
+    """Move a finished checkpoint into place; a checkpoint already there is replaced only with `force`,
+    and only now that the new one is complete (it is kept as .<name>.old-<pid> between two renames)."""
+    if not out.exists():
+        try:
+            partial.rename(out)
+            return
+        except OSError:
+            if not out.exists():
+                raise
+    if not force:
+        raise QserveError(
+            f"output {out} appeared while this run worked (another qserve quantize?); this run's result was discarded"
+        )
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    out.rename(old)
+    try:
+        partial.rename(out)
+    except OSError:
+        old.rename(out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _run(
@@ -111,8 +151,6 @@ def _run(
         files=files,
     )
     write_manifest(partial, manifest)
-    # The card explains a copied checkpoint; `qserve eval` rewrites it with results. Not hashed.
-    write_text(partial / CARD_NAME, model_card(partial, manifest, None))
     return manifest
 
 

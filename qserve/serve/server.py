@@ -47,6 +47,7 @@ def serve(
     extra_args: list[str] | None = None,
     ready_timeout: float = READY_TIMEOUT,
     verbose: bool = False,
+    key_source: str = "--api-key",
 ) -> NoReturn:
     """Start the server, wait until it answers a generation request, and run until it exits or we are signalled.
 
@@ -59,10 +60,11 @@ def serve(
         info("warning: --skip-gate: serving a checkpoint without a passing accuracy gate")
     else:
         info(f"accuracy gate passed (decided {check_gate(ckpt)})")
+    _warn_about_access(host, api_key, key_source)
     p = plan(ckpt, manifest, device, host, port, api_key, extra_args)
     with running(p, ready_timeout=ready_timeout, verbose=verbose) as server:
         print(f"serving {p.model_name} at {p.url}/v1", flush=True)
-        print(_curl(p, api_key), flush=True)
+        print(_curl(p, key_source if api_key else None), flush=True)
         code = server.wait()  # raises Stopped on SIGINT/SIGTERM, after the group is gone
     raise QserveError(f"vLLM server exited with code {code}; its log: {p.log}")
 
@@ -191,7 +193,29 @@ class _log_sink:
         self.file.close()
 
 
-def _curl(p: ServePlan, api_key: str | None) -> str:
-    auth = ' -H "Authorization: Bearer $QSERVE_API_KEY"' if api_key else ""
+def _warn_about_access(host: str, api_key: str | None, key_source: str) -> None:
+    if api_key:
+        info(f"requests need the API key from {key_source} on every route but /health, /ping, /version and /metrics")
+    elif not _loopback(host):
+        info(
+            f"warning: {host} is reachable from other machines and no API key is set: anyone who can reach it can use the model (--api-key)"
+        )
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: assume it is reachable
+
+
+def _curl(p: ServePlan, key_source: str | None) -> str:
+    """A request that works against this server; the key is named by where it came from, never printed."""
+    variable = {"QSERVE_API_KEY": "$QSERVE_API_KEY", "VLLM_API_KEY": "$VLLM_API_KEY"}.get(key_source or "", "<your --api-key>")
+    auth = f' -H "Authorization: Bearer {variable}"' if key_source else ""
     body = f'{{"model": "{p.model_name}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
     return f"curl {p.url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"

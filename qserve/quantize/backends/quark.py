@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from qserve.checkpoint.schemes import SCHEMES
+from qserve.checkpoint.schemes import SCHEMES, scheme_of_quark_checkpoint
 from qserve.errors import QserveError
 from qserve.quantize.recipe import Recipe
 
@@ -60,7 +60,16 @@ def quantize(model_path: Path, recipe: Recipe, texts: list[str] | None, out_dir:
         model = quantizer.freeze(model)
         export_safetensors(model, out_dir)
     tokenizer.save_pretrained(out_dir)
-    method = json.loads((out_dir / "config.json").read_text()).get("quantization_config", {}).get("quant_method")
+    return exported_scheme(out_dir, recipe)
+
+
+def exported_scheme(out_dir: Path, recipe: Recipe) -> str:
+    """The scheme read back from Quark's export; it must be the one the recipe asked for."""
+    config = json.loads((out_dir / "config.json").read_text()).get("quantization_config", {})
+    method = config.get("quant_method")
     if method != QUANTIZATION_METHOD:
         raise QserveError(f"Quark exported quant_method {method!r}, not 'quark'; vLLM's Quark loader would not recognise it")
-    return recipe.scheme or ""
+    found = scheme_of_quark_checkpoint(config)
+    if found != recipe.scheme:
+        raise QserveError(f"Quark wrote a {found or 'unrecognised'} checkpoint, but the recipe asked for {recipe.scheme}")
+    return found
