@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from qserve.errors import EXIT_ERROR, EXIT_GATE_FAILED, EXIT_GATE_INCONCLUSIVE, QserveError, Stopped
+from qserve.process import bounded_in_process_stop
 
 app = typer.Typer(
     name="qserve",
@@ -38,6 +39,14 @@ ReadyTimeoutOpt = Annotated[
 ]
 VerboseOpt = Annotated[
     bool, typer.Option("--verbose", "-v", help="Also show vLLM's own output live (it always goes to the log file).")
+]
+VerifyKeyOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--verify-key",
+        help="PEM public key: refuse the checkpoint unless `qserve sign` with the matching private key covered "
+        "exactly its files, manifest and eval record.",
+    ),
 ]
 DataDirOpt = Annotated[
     Path | None,
@@ -152,6 +161,7 @@ def eval_(
             help="Assert the KV-cache dtype (auto, fp8). It must match the checkpoint: a contradiction is an error, never an override.",
         ),
     ] = None,
+    verify_key: VerifyKeyOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON instead of a table.")] = False,
 ) -> None:
     """Run lm-eval on the checkpoint and its baseline in vLLM, check engine parity, apply the gates.
@@ -166,7 +176,7 @@ def eval_(
     from qserve.evaluate.gates import parse_cli_gates
     from qserve.evaluate.reports import format_table
 
-    with _results_only_on_stdout():
+    with _results_only_on_stdout(), bounded_in_process_stop():
         summary = evaluate(
             checkpoint,
             tasks=_split(tasks),
@@ -176,6 +186,7 @@ def eval_(
             refresh_baseline=refresh_baseline,
             check_parity=parity,
             kv_cache_dtype=kv_cache_dtype,
+            verify_key=verify_key,
         )
     typer.echo(json.dumps(summary, indent=2) if as_json else format_table(summary))
     code = {"pass": 0, "fail": EXIT_GATE_FAILED}.get(summary["verdict"], EXIT_GATE_INCONCLUSIVE)
@@ -203,6 +214,7 @@ def serve(
         ),
     ] = None,
     ready_timeout: ReadyTimeoutOpt = 900.0,
+    verify_key: VerifyKeyOpt = None,
     verbose: VerboseOpt = False,
 ) -> None:
     """Start vLLM's OpenAI-compatible server with the checkpoint's quantization, kv_cache_dtype and dtype.
@@ -219,8 +231,36 @@ def serve(
     _vllm_logs_to_stderr()  # stdout: the endpoint and curl lines only
     run(
         checkpoint, host=host, port=port, skip_gate=skip_gate, extra_args=list(ctx.args), **_api_key(api_key),
-        ready_timeout=ready_timeout, verbose=verbose,
+        ready_timeout=ready_timeout, verbose=verbose, verify_key=verify_key,
     )  # fmt: skip
+
+
+@app.command()
+@_user_errors
+def sign(
+    checkpoint: Annotated[Path, typer.Argument(help="Checkpoint dir whose accuracy gate passed.")],
+    private_key: Annotated[Path, typer.Option("--private-key", help="PEM elliptic-curve private key (e.g. P-256).")],
+    password_env: Annotated[
+        str | None, typer.Option("--password-env", help="Name of the environment variable holding the key's password.")
+    ] = None,
+) -> None:
+    """Sign a gated checkpoint with OpenSSF model-signing: every file, the manifest and the eval record.
+
+    Writes CKPT/qserve_signature.sig (a sigstore bundle). `qserve serve CKPT --verify-key PUB` and
+    `qserve eval CKPT --verify-key PUB` then refuse it if any file was added, removed or changed, or if
+    another key signed it. Re-evaluating rewrites the eval record, so sign again after an eval.
+
+    \b
+    Example (a P-256 key pair, then the signature):
+      openssl ecparam -name prime256v1 -genkey -noout | openssl pkcs8 -topk8 -nocrypt -out key.pem
+      openssl ec -in key.pem -pubout -out key.pub
+      qserve sign out-w8a8-int8 --private-key key.pem
+      qserve serve out-w8a8-int8 --verify-key key.pub
+    """
+    from qserve.checkpoint.signing import sign as run
+
+    password = os.environ.get(password_env) if password_env else None
+    typer.echo(str(run(checkpoint, private_key, password)))
 
 
 @app.command()
@@ -256,7 +296,7 @@ def compare(
     from qserve.compare import compare as run
     from qserve.compare import format_compare
 
-    with _results_only_on_stdout():
+    with _results_only_on_stdout(), bounded_in_process_stop():
         result = run(recipes, model=model, tasks=_split(tasks), limit=limit, data_dir=data_dir, out_dir=out_dir)
     typer.echo(json.dumps(result, indent=2) if as_json else format_compare(result))
 

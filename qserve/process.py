@@ -107,3 +107,39 @@ class ProcessGroup:
             # After a signalled stop, ignore repeats: SIG_IGN survives interpreter shutdown,
             # which resets Python-level handlers to the default (a late Ctrl-C would kill us).
             signal.signal(sig, signal.SIG_IGN if self.signum is not None else handler)
+
+
+class bounded_in_process_stop:
+    """For work that runs a vLLM engine inside this process (`qserve eval`, `qserve compare`).
+
+    SIGINT or SIGTERM raises Stopped at the next Python instruction, so the engine is shut down
+    and the CLI exits 130 or 143. An engine stuck in a native call or in its own shutdown cannot
+    hold qserve: `grace` seconds after the signal a watchdog ends the process with the same code.
+    The in-process engine has no worker processes on CPU (executor "uni"), so nothing is orphaned.
+    """
+
+    def __init__(self, grace: float = GRACE_SECONDS) -> None:
+        self.grace = grace
+        self.signum: int | None = None
+
+    def __enter__(self) -> bounded_in_process_stop:
+        self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, signal.SIG_IGN if self.signum is not None else handler)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:
+            return  # one stop per run: a second Ctrl-C does not cut the shutdown short
+        self.signum = signum
+        import threading
+
+        threading.Thread(target=self._watchdog, daemon=True).start()
+        raise Stopped(signum)
+
+    def _watchdog(self) -> None:
+        time.sleep(self.grace)
+        os.write(2, f"stopped by {signal.Signals(self.signum).name}: the engine did not stop within {self.grace:g} s\n".encode())
+        os._exit(128 + self.signum)

@@ -86,6 +86,20 @@ def recipe_for_tests(name: str, root: Path) -> Path:
     return shrunk
 
 
+def make_keys(directory: Path, name: str) -> tuple[Path, Path]:
+    """A fresh P-256 key pair (PEM private, PEM public) for signing tests; never committed."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    private, public = directory / f"{name}.pem", directory / f"{name}.pub"
+    private.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    return private, public
+
+
 def copy_checkpoint(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
@@ -93,9 +107,14 @@ def copy_checkpoint(src: Path, dst: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def passed_eval(checkpoints) -> tuple[Path, dict]:
-    """The INT8 W8A8 checkpoint evaluated against the recipe's own gates (0.95), which it passes."""
+    """The INT8 W8A8 checkpoint evaluated against the recipe's own gates (0.95), which it passes.
+
+    gsm8k_ppl passes with real signal at EVAL_LIMIT items; gsm8k scores 0 on both models there (no
+    signal: a warning). gsm8k_mc is left out: 10 items cannot show a 0.95 recovery (exact bound
+    0.31 against an allowance of 0.045), which test_eval_without_evidence_is_inconclusive proves.
+    """
     ckpt = checkpoints["w8a8-int8"]
-    proc = run_qserve("eval", ckpt, "--tasks", "gsm8k_ppl,gsm8k,gsm8k_mc", "--limit", str(EVAL_LIMIT), "--json")
+    proc = run_qserve("eval", ckpt, "--tasks", "gsm8k_ppl,gsm8k", "--limit", str(EVAL_LIMIT), "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return ckpt, json.loads(proc.stdout)
 

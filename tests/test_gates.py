@@ -3,18 +3,30 @@
 from __future__ import annotations
 
 import math
+import random
 
+import numpy as np
 import pytest
+from scipy.stats import binomtest, bootstrap, ttest_rel
+from scipy.stats import t as t_dist
 
 from qserve.errors import QserveError
-from qserve.evaluate.gates import Comparison, GateSpec, decide, parse_cli_gates, recovery, verdict
+from qserve.evaluate.gates import Bounds, Comparison, GateSpec, decide, parse_cli_gates, recovery, verdict
 from qserve.evaluate.stats import aggregate, compare, item_values
 from qserve.evaluate.tasks import get_tasks
 from qserve.quantize.recipe import parse_recipe
 
 
-def _cmp(b: float, q: float, hib: bool = True, noise: float | None = None, **kw) -> Comparison:
-    return Comparison("m,none", hib, b, q, paired_stderr=noise, **kw)
+def _cmp(b: float, q: float, hib: bool = True, bounds: tuple[float, float] | None = None, **kw) -> Comparison:
+    """A comparison whose one-sided 95 % degradation bounds are given (stats.py computes them)."""
+    lo_hi = Bounds(*bounds, "given", 100) if bounds else None
+    return Comparison("m,none", hib, b, q, bounds=lo_hi, items=100 if bounds else None, **kw)
+
+
+def _binary(base: list[int], quant: list[int]) -> Comparison:
+    b = {str(i): float(v) for i, v in enumerate(base)}
+    q = {str(i): float(v) for i, v in enumerate(quant)}
+    return compare("exact_match,none", True, (sum(base) / len(base), None, b), (sum(quant) / len(quant), None, q))
 
 
 def test_recovery_directions() -> None:
@@ -23,53 +35,178 @@ def test_recovery_directions() -> None:
 
 
 def test_zero_baseline_is_inconclusive_not_a_pass() -> None:
-    gate = decide("gsm8k", GateSpec(min_recovery=0.95), _cmp(0.0, 0.0, noise=0.0))
-    assert gate.status == "inconclusive" and gate.recovery is None
+    gate = decide("gsm8k", GateSpec(min_recovery=0.95), _cmp(0.0, 0.0, bounds=(0.0, 0.0)))
+    assert gate.status == "inconclusive" and gate.recovery is None and gate.signal is False
     assert verdict([gate]) == "inconclusive"
 
 
 def test_all_items_identical_is_inconclusive() -> None:
     # 0/20 on both with max_drop: no division by zero, but nothing was measured either.
-    gate = decide("gsm8k", GateSpec(max_drop=0.05), _cmp(0.0, 0.0, noise=0.0, items=20, constant=True))
-    assert gate.status == "inconclusive" and "no variance" in gate.reason
+    gate = decide("gsm8k", GateSpec(max_drop=0.05), _binary([0] * 20, [0] * 20))
+    assert gate.status == "inconclusive" and "no variance" in gate.reason and gate.signal is False
 
 
 @pytest.mark.parametrize(
-    ("quantized", "noise", "status"),
+    ("quantized", "bounds", "status"),
     [
-        (0.49, 0.005, "pass"),  # degradation 0.01, clear of the 0.025 allowance
-        (0.49, 0.02, "inconclusive"),  # the same drop, but the noise band reaches the limit
-        (0.47, 0.02, "inconclusive"),  # exceeded, within noise: the sample is too small
-        (0.40, 0.02, "fail"),  # exceeded beyond noise
-        (0.40, None, "fail"),  # no noise estimate: the point estimate decides
+        (0.49, (0.0, 0.02), "pass"),  # degradation 0.01, upper bound clear of the 0.025 allowance
+        (0.49, (-0.01, 0.03), "inconclusive"),  # the same drop, but the bound reaches the limit
+        (0.47, (0.01, 0.05), "inconclusive"),  # exceeded, within noise: the sample is too small
+        (0.40, (0.06, 0.14), "fail"),  # exceeded beyond noise
+        (0.40, None, "fail"),  # no per-item values: lm-eval's unpaired standard errors can only fail it
+        (0.49, None, "inconclusive"),  # ... never pass it
     ],
 )
-def test_noise_aware_decisions(quantized: float, noise: float | None, status: str) -> None:
-    gate = decide("t", GateSpec(min_recovery=0.95), _cmp(0.5, quantized, noise=noise))
+def test_noise_aware_decisions(quantized: float, bounds: tuple | None, status: str) -> None:
+    unpaired = {"baseline_stderr": 0.01, "quantized_stderr": 0.01} if bounds is None else {}
+    gate = decide("t", GateSpec(min_recovery=0.95), _cmp(0.5, quantized, bounds=bounds, **unpaired))
     assert gate.allowed_degradation == pytest.approx(0.025)
     assert gate.status == status, gate.reason
 
 
+def test_limit_one_is_inconclusive_and_says_how_many_items_decide() -> None:
+    """--limit 1 used to pass with "no standard error available"."""
+    gate = decide("gsm8k", GateSpec(min_recovery=0.95), _binary([1], [1]))
+    assert gate.status == "inconclusive" and gate.signal is True
+    # Zero discordant items in n: the exact one-sided 97.5 % upper bound on the loss rate is
+    # scipy's two-sided 95 % Clopper-Pearson upper limit; the gate needs it below 0.05.
+    needed = next(n for n in range(1, 1000) if binomtest(0, n).proportion_ci(0.95, "exact").high < 0.05)
+    assert gate.items_needed == needed == 72
+    assert "about 72 items would decide (--limit)" in gate.reason
+
+
+def test_identical_item_by_item_at_n3_is_inconclusive() -> None:
+    """Both models right and wrong on the same items (paired standard error 0) used to pass at n=3."""
+    gate = decide("gsm8k", GateSpec(min_recovery=0.95), _binary([1, 0, 1], [1, 0, 1]))
+    assert gate.status == "inconclusive" and gate.degradation == 0 and gate.degradation_stderr == 0
+    assert "the models agreed on all 3 items" in gate.reason
+    assert verdict([gate]) == "inconclusive"
+
+
+def test_exact_binomial_bounds_on_discordant_items() -> None:
+    # 200 items: 6 lost, 2 gained, the rest tied.
+    base = [1] * 6 + [0] * 2 + [1] * 100 + [0] * 92
+    quant = [0] * 6 + [1] * 2 + [1] * 100 + [0] * 92
+    cmp = _binary(base, quant)
+    lost, gained = (binomtest(k, 200).proportion_ci(0.95, "exact") for k in (6, 2))
+    assert cmp.bounds.lower == pytest.approx(lost.low - gained.high, abs=1e-9)
+    assert cmp.bounds.upper == pytest.approx(lost.high - gained.low, abs=1e-9)
+    assert cmp.bounds.discordant == (6, 2) and cmp.degradation == pytest.approx(4 / 200)
+    # Allowance 0.054 * 0.05 ... a drop of 0.02 against max_drop 0.1 passes, against 0.005 it is undecided.
+    assert decide("g", GateSpec(max_drop=0.1), cmp).status == "pass"
+    assert decide("g", GateSpec(max_drop=0.005), cmp).status == "inconclusive"
+
+
+def test_paired_t_bound_for_continuous_items() -> None:
+    base = [0.50, 0.61, 0.42, 0.55, 0.70, 0.38, 0.66, 0.52, 0.47, 0.59]
+    quant = [0.49, 0.58, 0.43, 0.51, 0.69, 0.33, 0.65, 0.50, 0.44, 0.58]
+    b = {str(i): v for i, v in enumerate(base)}
+    q = {str(i): v for i, v in enumerate(quant)}
+    cmp = compare("f1,none", True, (sum(base) / 10, None, b), (sum(quant) / 10, None, q))
+    ci = ttest_rel(base, quant).confidence_interval(0.90)  # two-sided 90 %: one-sided 95 % each end
+    assert (cmp.bounds.lower, cmp.bounds.upper) == (pytest.approx(ci.low), pytest.approx(ci.high))
+    assert cmp.bounds.method == "paired t, 9 degrees of freedom"
+    # Between the normal (z = 1.645) and the t bound, a gate is undecided at n = 10, not passed.
+    se = cmp.paired_stderr
+    allowed = cmp.degradation + 1.75 * se  # z*se < allowed - mean < t(9)*se (t = 1.833)
+    assert cmp.degradation + 1.645 * se < allowed < ci.high
+    assert decide("f", GateSpec(max_drop=allowed), cmp).status == "inconclusive"
+
+
+def _ppl_items(seed: int, n: int, scale: float) -> tuple[dict, dict]:
+    rng = random.Random(seed)
+    base = {str(i): [-rng.uniform(100, 300), float(rng.randint(20, 60))] for i in range(n)}
+    quant = {k: [ll * scale + rng.gauss(0, 2), w] for k, (ll, w) in base.items()}
+    return base, quant
+
+
+def _ppl(items: dict) -> float:
+    return math.exp(-sum(v[0] for v in items.values()) / sum(v[1] for v in items.values()))
+
+
+def test_perplexity_is_judged_by_a_weighted_bca_bootstrap_on_the_log_scale() -> None:
+    base, quant = _ppl_items(1, 40, 1.002)
+    cmp = compare("word_perplexity,none", False, (_ppl(base), None, base), (_ppl(quant), None, quant))
+    assert cmp.log_scale and cmp.bounds.method == "paired BCa bootstrap over 40 documents"
+    # The same bootstrap computed here from the definition: log(ppl_q / ppl_b), words as weights.
+    ll_b, w, ll_q = (np.array([v[i] for v in d.values()]) for d, i in ((base, 0), (base, 1), (quant, 0)))
+
+    def log_ratio(lb, ww, lq, axis=-1):
+        return (lb.sum(axis) - lq.sum(axis)) / ww.sum(axis)
+
+    ref = bootstrap((ll_b, w, ll_q), log_ratio, paired=True, vectorized=True, confidence_level=0.9, n_resamples=2000,
+                    method="BCa", rng=np.random.default_rng(0))  # fmt: skip
+    assert cmp.bounds.lower == pytest.approx(ref.confidence_interval.low, rel=1e-6)
+    assert cmp.bounds.upper == pytest.approx(ref.confidence_interval.high, rel=1e-6)
+    # And close to the analytic ratio-estimator interval (t, 39 df), a different method.
+    d = ll_b - ll_q
+    r = d.sum() / w.sum()
+    se = _ratio_se(d, w)
+    half = t_dist.ppf(0.95, 39) * se
+    assert cmp.bounds.upper == pytest.approx(r + half, abs=0.3 * half)
+    assert cmp.bounds.lower == pytest.approx(r - half, abs=0.3 * half)
+    # Perplexity +1.7 % (bounds +0.5 % to +3.0 %): passes max_increase 5 %, fails 0.1 %.
+    assert decide("p", GateSpec(max_increase=0.05), cmp).status == "pass"
+    assert decide("p", GateSpec(max_increase=0.001), cmp).status == "fail"
+    # Display standard error of each perplexity: bootstrap, near the delta method's ppl * se(mean NLL).
+    assert cmp.baseline_stderr == pytest.approx(_ppl(base) * _ratio_se(-ll_b, w), rel=0.2)
+    assert cmp.quantized_stderr == pytest.approx(_ppl(quant) * _ratio_se(-ll_q, w), rel=0.2)
+
+
+def _ratio_se(y: np.ndarray, w: np.ndarray) -> float:
+    """Standard error of sum(y)/sum(w) over n documents by linearisation (the ratio estimator)."""
+    n, r = len(y), y.sum() / w.sum()
+    return math.sqrt(((y - r * w) ** 2).sum() * n / (n - 1)) / w.sum()
+
+
+def test_perplexity_identical_on_every_document_is_inconclusive() -> None:
+    base, _ = _ppl_items(2, 5, 1.0)
+    cmp = compare("word_perplexity,none", False, (_ppl(base), None, base), (_ppl(base), None, dict(base)))
+    gate = decide("p", GateSpec(max_increase=0.05), cmp)
+    assert gate.status == "inconclusive" and "scored identically on all 5 items" in gate.reason
+
+
 def test_perplexity_criteria() -> None:
-    # Perplexity 10 -> 10.4: +4 %. max_increase 5 % passes, 3 % fails; min_recovery works inversely.
-    assert decide("p", GateSpec(max_increase=0.05), _cmp(10.0, 10.4, hib=False, noise=0.01)).status == "pass"
-    assert decide("p", GateSpec(max_increase=0.03), _cmp(10.0, 10.4, hib=False, noise=0.01)).status == "fail"
-    gate = decide("p", GateSpec(min_recovery=0.95), _cmp(10.0, 10.4, hib=False, noise=0.01))
+    # Perplexity 10 -> 10.4: +4 %, bounds on log(q/b) of [+3 %, +5 %] -> max_increase 5 % undecided, 10 % passes.
+    log_bounds = (math.log(1.03), math.log(1.045))
+    assert (
+        decide("p", GateSpec(max_increase=0.10), _cmp(10.0, 10.4, hib=False, bounds=log_bounds, log_scale=True)).status == "pass"
+    )
+    assert (
+        decide("p", GateSpec(max_increase=0.02), _cmp(10.0, 10.4, hib=False, bounds=log_bounds, log_scale=True)).status == "fail"
+    )
+    gate = decide("p", GateSpec(min_recovery=0.95), _cmp(10.0, 10.4, hib=False, bounds=log_bounds, log_scale=True))
     assert gate.recovery == pytest.approx(10 / 10.4) and gate.status == "pass"
     # The tightest criterion governs.
-    both = decide("p", GateSpec(min_recovery=0.95, max_drop=0.2), _cmp(10.0, 10.4, hib=False, noise=0.01))
+    both = decide("p", GateSpec(min_recovery=0.95, max_drop=0.2), _cmp(10.0, 10.4, hib=False, bounds=log_bounds, log_scale=True))
     assert both.allowed_degradation == pytest.approx(0.2) and both.status == "fail"
     with pytest.raises(QserveError, match="max_increase applies to lower-is-better"):
         decide("s", GateSpec(max_increase=0.05), _cmp(0.5, 0.5))
 
 
-def test_verdict_needs_a_real_pass_and_no_failure() -> None:
-    ok = decide("p", GateSpec(min_recovery=0.9), _cmp(10.0, 10.5, hib=False))
-    bad = decide("p", GateSpec(min_recovery=0.9), _cmp(10.0, 20.0, hib=False))
-    empty = decide("g", GateSpec(min_recovery=0.95), _cmp(0.0, 0.0))
-    assert ok.status == "pass" and bad.status == "fail"
-    assert verdict([ok, empty]) == "pass"
-    assert verdict([ok, bad]) == "fail"
+def test_verdict_rule() -> None:
+    """fail if any fails; inconclusive if any gate with signal is; pass needs a pass, the rest pass or no signal."""
+    ok = decide("p", GateSpec(min_recovery=0.9), _cmp(10.0, 10.5, hib=False, bounds=(0.3, 0.7)))
+    bad = decide("p", GateSpec(min_recovery=0.9), _cmp(10.0, 20.0, hib=False, bounds=(8.0, 12.0)))
+    exceeded = decide("g", GateSpec(min_recovery=0.95), _cmp(0.5, 0.47, bounds=(0.01, 0.05)))  # past 0.025, within noise
+    empty = decide("g", GateSpec(min_recovery=0.95), _cmp(0.0, 0.0))  # zero baseline: no signal
+    assert (ok.status, bad.status, exceeded.status, empty.status) == ("pass", "fail", "inconclusive", "inconclusive")
+    assert (exceeded.signal, empty.signal) == (True, False)
+    assert verdict([ok, empty]) == "pass"  # no signal is a warning, not a veto
+    assert verdict([ok, exceeded]) == "inconclusive"  # a pass elsewhere cannot outvote it
+    assert verdict([ok, bad]) == "fail" and verdict([exceeded, bad]) == "fail"
+    assert verdict([empty]) == "inconclusive" and verdict([]) == "inconclusive"
+
+
+def test_a_gate_on_a_task_not_evaluated_is_an_error() -> None:
+    from qserve.evaluate.evaluation import _check_gated_tasks
+
+    _check_gated_tasks({"gsm8k": []}, ["gsm8k", "gsm8k_ppl"])
+    with pytest.raises(QserveError) as e:
+        _check_gated_tasks({"gsm8k_mc": [], "gsm8k": []}, ["gsm8k"])
+    assert (
+        str(e.value) == "--gate names gsm8k_mc, which this eval does not run (tasks: gsm8k); add it to --tasks or drop the gate"
+    )
 
 
 def test_cli_gate_forms() -> None:
@@ -113,6 +250,7 @@ def test_paired_noise_is_tighter_than_unpaired() -> None:
     quant["0"] = 1.0  # one item better
     cmp = compare("acc,none", True, (0.5, 0.08, base), (0.525, 0.08, quant))
     assert cmp.items == 40 and not cmp.constant
+    assert cmp.paired_stderr == pytest.approx(np.std([-1] + [0] * 39, ddof=1) / math.sqrt(40))
     assert cmp.paired_stderr < math.hypot(0.08, 0.08) / 3
     assert cmp.baseline_stderr == 0.08  # lm-eval's own standard error is kept
 

@@ -172,3 +172,52 @@ def test_probe_runs_in_its_own_group_and_reports_a_crash(tmp_path: Path) -> None
 
     with pytest.raises(QserveError, match=r"^the vLLM probe crashed \(exit 1\): "):
         probe([tmp_path], timeout=120)
+
+
+# An in-process "engine" through the CLI's own error handling: it works until signalled, then its
+# shutdown never ends (a stuck native engine). MODE "hang": the shutdown hangs; "clean": it returns.
+IN_PROCESS = r"""
+import sys, time
+from qserve.cli import _user_errors
+from qserve.process import bounded_in_process_stop
+
+@_user_errors
+def work(mode):
+    with bounded_in_process_stop(grace=2):
+        try:
+            print("engine started", flush=True)
+            time.sleep(600)
+        finally:
+            while mode == "hang":
+                time.sleep(0.1)
+
+try:
+    work(sys.argv[1])
+except SystemExit:
+    raise
+except BaseException as exc:  # typer.Exit outside an app: its code is the process's
+    sys.exit(getattr(exc, "exit_code", 99))
+"""
+
+
+@pytest.mark.parametrize(
+    ("mode", "sig", "code", "last_line"),
+    [
+        ("clean", signal.SIGINT, 130, "stopped by SIGINT"),
+        ("clean", signal.SIGTERM, 143, "stopped by SIGTERM"),
+        ("hang", signal.SIGTERM, 143, "stopped by SIGTERM: the engine did not stop within 2 s"),
+        ("hang", signal.SIGINT, 130, "stopped by SIGINT: the engine did not stop within 2 s"),
+    ],
+)
+def test_in_process_engine_stops_within_the_grace(mode: str, sig: int, code: int, last_line: str) -> None:
+    """`qserve eval` and `compare` run vLLM inside their own process: a stuck shutdown cannot hold them."""
+    proc = subprocess.Popen([sys.executable, "-c", IN_PROCESS, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "engine started\n"
+    start = time.monotonic()
+    proc.send_signal(sig)
+    time.sleep(0.3)
+    proc.send_signal(sig)  # a second signal does not cut the shutdown short, nor crash it
+    assert proc.wait(timeout=30) == code
+    seconds = time.monotonic() - start
+    assert proc.stderr.read().strip().splitlines()[-1] == last_line
+    assert seconds < (5 if mode == "hang" else 1.5)

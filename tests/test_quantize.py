@@ -18,6 +18,12 @@ from qserve.quantize.pipeline import check_shapes
 from qserve.quantize.recipe import parse_recipe
 
 RECIPES = ["w4a16-gptq", "fp8", "w8a8-int8"]
+# recipe -> weight bits, group size, vLLM dtype, calibrated, largest size as a fraction of the float32 source
+SHAPE = {
+    "w4a16-gptq": (4, 64, "float16", True, 0.35),
+    "fp8": (8, None, "bfloat16", False, 0.45),
+    "w8a8-int8": (8, None, "bfloat16", True, 0.45),
+}
 W4A16_128 = "name: t\nscheme: W4A16\ncalibration: {path: gsm8k/train.jsonl}\n"
 
 
@@ -57,19 +63,15 @@ def test_recipe_quantizes_embedded_model(checkpoints, name: str) -> None:
     assert manifest.versions["llmcompressor"] and manifest.versions["torch"].startswith("2.13.0")
     assert manifest.files["model.safetensors"] == sha256_file(ckpt / "model.safetensors")
     weights = config["quantization_config"]["config_groups"]["group_0"]["weights"]
-    if name == "w4a16-gptq":
-        assert (weights["num_bits"], weights["group_size"], manifest.vllm_args.dtype) == (4, 64, "float16")
-    else:
-        assert weights["num_bits"] == 8
-    if manifest.calibration:
-        assert manifest.calibration["samples"] == 32 and len(manifest.calibration["content_sha256"]) == 64
-        assert manifest.calibration["sources"][0]["path"].endswith("gsm8k/train.jsonl")
-    else:
-        assert name == "fp8"
-    # A 4-bit checkpoint must be much smaller than the float32 source.
-    if name == "w4a16-gptq":
-        src = sum(f.stat().st_size for f in Path(manifest.source_model["path"]).glob("*.safetensors"))
-        assert (ckpt / "model.safetensors").stat().st_size < 0.35 * src
+    bits, group_size, dtype, calibrated, max_size = SHAPE[name]
+    assert (weights["num_bits"], weights["group_size"], manifest.vllm_args.dtype) == (bits, group_size, dtype)
+    assert bool(manifest.calibration) == calibrated
+    calibration = manifest.calibration or {"samples": 32, "content_sha256": "0" * 64, "sources": [{"path": "gsm8k/train.jsonl"}]}
+    assert calibration["samples"] == 32 and len(calibration["content_sha256"]) == 64
+    assert calibration["sources"][0]["path"].endswith("gsm8k/train.jsonl")
+    # Size against the float32 source: a 4-bit checkpoint must be much smaller.
+    src = sum(f.stat().st_size for f in Path(manifest.source_model["path"]).glob("*.safetensors"))
+    assert (ckpt / "model.safetensors").stat().st_size < max_size * src
 
 
 @pytest.mark.slow
@@ -229,14 +231,27 @@ def test_every_file_but_qserves_records_is_hashed_and_checked(tmp_path: Path) ->
     for name in ("model.safetensors", "modeling_custom.py", "pytorch_model.bin", "chat_template.jinja", "sub/extra.pt"):
         (ckpt / name).write_text(name)
     files = hash_files(ckpt)
-    assert sorted(files) == ["chat_template.jinja", "model.safetensors", "modeling_custom.py", "pytorch_model.bin", "sub/extra.pt"]
+    assert sorted(files) == [
+        "chat_template.jinja",
+        "model.safetensors",
+        "modeling_custom.py",
+        "pytorch_model.bin",
+        "sub/extra.pt",
+    ]
     manifest = Manifest(
         created_at="t", scheme="W8A8", recipe={}, recipe_source={}, source_model={}, calibration=None, versions={},
         vllm_args=VllmArgs(quantization=None), timings={}, files=files,
     )  # fmt: skip
     write_manifest(ckpt, manifest)
     # qserve's own records may come and go: the model card, eval records, logs, a crashed write's temp file.
-    for record in ("README.md", "qserve_eval.json", "qserve_eval.md", "lm_eval_results.json", "logs/serve.log", "qserve_eval.json.77.tmp"):
+    for record in (
+        "README.md",
+        "qserve_eval.json",
+        "qserve_eval.md",
+        "lm_eval_results.json",
+        "logs/serve.log",
+        "qserve_eval.json.77.tmp",
+    ):
         (ckpt / record).parent.mkdir(exist_ok=True)
         (ckpt / record).write_text("record")
     verify_files(ckpt, manifest)

@@ -8,14 +8,30 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import API_KEY, Server, copy_checkpoint, free_port, run_qserve
+from conftest import API_KEY, Server, copy_checkpoint, free_port, make_keys, run_qserve
 
 
 @pytest.fixture(scope="module")
-def server(passed_eval):
-    srv = Server(passed_eval[0])
+def server(passed_eval, tmp_path_factory):
+    """The gated checkpoint, signed after its gate, served only because the signature verifies."""
+    private, public = make_keys(tmp_path_factory.mktemp("keys"), "owner")
+    proc = run_qserve("sign", passed_eval[0], "--private-key", private)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    srv = Server(passed_eval[0], "--verify-key", str(public))
     yield srv
     srv.close()
+
+
+@pytest.mark.slow
+def test_serve_refuses_a_signature_by_another_key(server, tmp_path: Path) -> None:
+    _, stranger = make_keys(tmp_path, "stranger")
+    proc = run_qserve("serve", server.ckpt, "--port", str(free_port()), "--verify-key", stranger)
+    assert proc.returncode == 1
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"error: signature check of {server.ckpt} against {stranger} failed: Key mismatch")
+    )
 
 
 @pytest.mark.slow

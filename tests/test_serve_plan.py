@@ -185,3 +185,35 @@ def test_non_loopback_without_a_key_is_warned_about(capsys) -> None:
         capsys.readouterr().err
         == "requests need the API key from QSERVE_API_KEY on every route but /health, /ping, /version and /metrics\n"
     )
+
+
+def test_cuda_engine_arguments_and_environment(tmp_path: Path, monkeypatch) -> None:
+    """The GPU path, checked without a GPU: what qserve hands vllm.LLM and the environment it sets."""
+    from qserve.device import engine
+
+    args = VllmArgs(quantization="compressed-tensors", kv_cache_dtype="fp8", dtype="bfloat16")
+    kw = engine.engine_kwargs(tmp_path / "ck", args, GPU)
+    assert kw == {
+        "pretrained": str(tmp_path / "ck"),
+        "dtype": "bfloat16",
+        "quantization": "compressed-tensors",
+        "kv_cache_dtype": "fp8",
+        "trust_remote_code": False,
+        "max_model_len": engine.MAX_MODEL_LEN,
+        "seed": 0,
+    }  # no CPU settings: CUDA graphs, vLLM's own KV-cache sizing and executor stay on
+    # In-process engine core: apply_model (the KV-scale readout) is a direct call, so pickled
+    # functions over vLLM's socket (VLLM_ALLOW_INSECURE_SERIALIZATION) are never needed.
+    assert engine.engine_env(GPU) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert engine.engine_env(CPU) == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_CPU_NUM_OF_RESERVED_CPU"):
+        monkeypatch.delenv(key, raising=False)
+    engine.configure_engine_env(GPU)
+    import os
+
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in os.environ and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ
+    # The served engine is vLLM's API server on every device: its engine core is a process of its own.
+    served = plan(tmp_path / "ck", manifest(kv_cache_dtype="fp8"), GPU, "127.0.0.1", 8000)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in served.env and "VLLM_ALLOW_INSECURE_SERIALIZATION" not in served.env
+    assert "--enforce-eager" not in served.command and "--kv-cache-memory-bytes" not in served.command

@@ -19,7 +19,8 @@ REPORT_NAME = "qserve_eval.md"
 # qserve's own records beside the weights, rewritten by eval and serve: the only files a
 # manifest does not hash. Everything else (weights, configs, tokenizer, templates, code,
 # .bin/.pt files) is hashed, and an added, removed or changed file is refused.
-RECORD_NAMES = {MANIFEST_NAME, EVAL_NAME, LM_EVAL_RESULTS_NAME, CARD_NAME, REPORT_NAME}
+SIGNATURE_NAME = "qserve_signature.sig"  # `qserve sign`: a sigstore bundle over everything else
+RECORD_NAMES = {MANIFEST_NAME, EVAL_NAME, LM_EVAL_RESULTS_NAME, CARD_NAME, REPORT_NAME, SIGNATURE_NAME}
 RECORD_DIRS = {"logs"}  # <checkpoint>/logs/serve.log
 TRACKED_PACKAGES = (
     "qserve",

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from qserve import paths
-from qserve.checkpoint.manifest import EVAL_NAME
+from qserve.checkpoint.manifest import EVAL_NAME, manifest_digest
 from qserve.errors import QserveError
 from qserve.progress import info
 
@@ -34,6 +34,22 @@ def read_eval(ckpt: Path) -> dict[str, Any] | None:
         return json.loads(path.read_text())
     except json.JSONDecodeError:
         raise QserveError(f"{path} is corrupt; run `qserve eval` again") from None
+
+
+def check_gate(ckpt: Path) -> str:
+    """Raise unless this exact checkpoint passed `qserve eval`; returns when it was decided."""
+    result = read_eval(ckpt)
+    if result is None:
+        raise QserveError(f"{ckpt} has no accuracy gate result; run `qserve eval {ckpt}` first (or pass --skip-gate)")
+    if result.get("manifest_sha256") != manifest_digest(ckpt):
+        raise QserveError(
+            f"the gate result in {ckpt} was decided for different checkpoint contents; run `qserve eval {ckpt}` again"
+        )
+    if result.get("verdict") != "pass":
+        raise QserveError(
+            f"{ckpt} did not pass its accuracy gate (verdict: {result.get('verdict')}); see `qserve eval {ckpt}` (or pass --skip-gate)"
+        )
+    return str(result.get("decided_at"))
 
 
 def resolve_checkpoint(checkpoint: str | Path | None) -> Path:

@@ -45,11 +45,26 @@ def engine_kwargs(model_path: Path, args: VllmArgs, device: Device) -> dict[str,
     return kw
 
 
-def configure_cpu_env() -> None:
-    """vLLM-CPU reserves one core by default; on small machines all cores serve (1.45x measured)."""
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    # Run the engine core in this process so several engines can start one after another.
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+def engine_env(device: Device) -> dict[str, str]:
+    """Environment for qserve's in-process engines (eval, probe, parity) on this device.
+
+    The engine core runs in this process on every device (VLLM_ENABLE_V1_MULTIPROCESSING=0): several
+    engines can start one after another, and `LLM.apply_model` (the KV-scale readout) is a direct
+    call. With vLLM V1's default engine-core process it would have to send the function over a
+    socket, which vLLM 0.32 refuses unless VLLM_ALLOW_INSECURE_SERIALIZATION=1 enables pickle
+    (vllm/v1/serial_utils.py, MsgpackEncoder.enc_hook); qserve never sets that.
+    """
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if device.kind == "cpu":
+        # vLLM-CPU reserves one core by default; on small machines all cores serve (1.45x measured).
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    return env
+
+
+def configure_engine_env(device: Device) -> None:
+    """Apply engine_env to this process; a value the user set explicitly wins."""
+    for key, value in engine_env(device).items():
+        os.environ.setdefault(key, value)
 
 
 def lm_eval_vllm_class() -> type:
@@ -68,8 +83,7 @@ def open_engine(
 
     `overrides` are extra vllm.LLM keyword arguments (e.g. hf_overrides), applied last.
     """
-    if device.kind == "cpu":
-        configure_cpu_env()
+    configure_engine_env(device)
     cls = lm_eval_vllm_class()
     with step(
         f"starting vLLM for {label} (dtype={args.dtype}, quantization={args.quantization}, kv_cache_dtype={args.kv_cache_dtype})"

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from qserve import paths
+from qserve.checkpoint import signing
 from qserve.checkpoint.manifest import Manifest, VllmArgs, library_versions, manifest_digest, read_manifest, verify_files
 from qserve.checkpoint.models import ModelRef, baseline_model
 from qserve.checkpoint.records import resolve_checkpoint
@@ -62,13 +63,15 @@ def evaluate(
     check_parity: bool = True,
     measure_decode: bool = False,
     kv_cache_dtype: str | None = None,
+    verify_key: Path | None = None,
 ) -> dict[str, Any]:
     """Evaluate a checkpoint against its (cached) baseline, apply the gates, write the reports.
 
     Where vLLM cannot run the scheme on this device, both sides go through transformers and
-    the summary says `emulated: true`. `kv_cache_dtype`, if given, must match the checkpoint.
+    the summary says `emulated: true`. `kv_cache_dtype`, if given, must match the checkpoint; with
+    `verify_key`, the checkpoint must carry a signature by it over exactly its files.
     """
-    plan = _plan(checkpoint, tasks, gates, data_dir, kv_cache_dtype)
+    plan = _plan(checkpoint, tasks, gates, data_dir, kv_cache_dtype, verify_key)
     started = time.monotonic()
     base_side = _baseline_side(plan, limit, refresh_baseline)
     quant, parity_result, extra = _quantized_run(
@@ -102,14 +105,18 @@ def _plan(
     gates: dict[str, list[GateSpec]] | None,
     data_dir: str | Path | None,
     kv_cache_dtype: str | None,
+    verify_key: Path | None = None,
 ) -> _Plan:
     """Checks before any engine starts: integrity, flags, tasks and their gates, the device."""
     ckpt = resolve_checkpoint(checkpoint)
     manifest = read_manifest(ckpt)
     verify_files(ckpt, manifest)
+    if verify_key is not None:
+        signing.verify(ckpt, verify_key)
     flags.check_user_args(ckpt, manifest, {"--kv-cache-dtype": kv_cache_dtype})
     recipe_gates = {t: normalize(v) for t, v in (manifest.recipe.get("gates") or {}).items()}
     task_defs = get_tasks(tasks or list(recipe_gates) or ["gsm8k"])
+    _check_gated_tasks(gates or {}, [t.name for t in task_defs])
     specs = {
         t.name: (gates or {}).get(t.name) or recipe_gates.get(t.name) or [GateSpec(min_recovery=DEFAULT_MIN_RECOVERY)]
         for t in task_defs
@@ -124,6 +131,16 @@ def _plan(
             f"vLLM cannot run {manifest.scheme} here ({runnable.evidence}): evaluating through transformers; results are EMULATED"
         )
     return _Plan(ckpt, manifest, task_defs, specs, configs, device, runnable)
+
+
+def _check_gated_tasks(gates: dict[str, list[GateSpec]], evaluated: list[str]) -> None:
+    """A --gate must name an evaluated task: a gate on a task that never runs would be silently ignored."""
+    stray = [t for t in gates if t not in evaluated]
+    if stray:
+        raise QserveError(
+            f"--gate names {', '.join(stray)}, which this eval does not run (tasks: {', '.join(evaluated)}); "
+            f"add it to --tasks or drop the gate"
+        )
 
 
 def _baseline_side(plan: _Plan, limit: int | None, refresh: bool) -> _Baseline:

@@ -17,8 +17,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from qserve.errors import InvalidSpec, QserveError
 
 DEFAULT_MIN_RECOVERY = 0.95
-# One-sided 95 %: a pass must hold at the pessimistic end of the noise band.
-NOISE_Z = 1.645
 CRITERIA = ("min_recovery", "max_drop", "max_increase")
 
 
@@ -90,6 +88,19 @@ def _metric_key(metric: str) -> str:
 
 
 @dataclass
+class Bounds:
+    """One-sided 95 % lower and upper bounds on the degradation, on the scale the gate decides on
+    (log(quantized/baseline) for perplexities, the metric's units otherwise)."""
+
+    lower: float
+    upper: float
+    method: str  # which test gave them (see stats.py)
+    items: int
+    discordant: tuple[int, int] | None = None  # 0/1 metrics: items lost, items gained
+    stderr: float | None = None  # the bootstrap's, on the same scale
+
+
+@dataclass
 class Comparison:
     """Baseline and quantized scores of one metric on the same items, with their noise."""
 
@@ -99,12 +110,12 @@ class Comparison:
     quantized: float
     baseline_stderr: float | None = None
     quantized_stderr: float | None = None
-    # Standard error of (quantized - baseline) from the paired per-item comparison, if known.
+    # Standard error of (quantized - baseline) from the paired per-item comparison (for display).
     paired_stderr: float | None = None
     items: int | None = None
     constant: bool = False  # every item scored the same on both: no variance to judge by
-    # Perplexities: standard error of log(quantized/baseline); the decision is made on that scale.
-    log_ratio_stderr: float | None = None
+    bounds: Bounds | None = None  # what the gate decides on; None: no valid bound at this sample
+    log_scale: bool = False  # perplexities: bounds are on log(quantized/baseline)
 
     @property
     def degradation(self) -> float:
@@ -136,6 +147,11 @@ class Gate:
     criteria: dict[str, float]
     status: str  # "pass", "fail" or "inconclusive"
     reason: str
+    # False when the comparison cannot tell the models apart at all (zero baseline, every item
+    # scoring the same on both): such a gate neither passes nor holds up the verdict (a warning).
+    signal: bool = True
+    test: str | None = None  # the bound the decision used (stats.py)
+    items_needed: int | None = None  # inconclusive: about how many items would decide
 
 
 def recovery(baseline: float, quantized: float, higher_is_better: bool) -> float | None:
@@ -169,8 +185,7 @@ def allowed_degradation(spec: GateSpec, baseline: float, higher_is_better: bool)
 
 def decide(task: str, spec: GateSpec, cmp: Comparison) -> Gate:
     allowed = allowed_degradation(spec, cmp.baseline, cmp.higher_is_better)
-    deg, noise = cmp.degradation, cmp.noise
-    status, reason = _status(allowed, deg, noise, cmp)
+    status, reason, needed = _status(allowed, cmp)
     return Gate(
         task=task,
         metric=cmp.metric,
@@ -180,46 +195,104 @@ def decide(task: str, spec: GateSpec, cmp: Comparison) -> Gate:
         quantized=cmp.quantized,
         quantized_stderr=cmp.quantized_stderr,
         recovery=recovery(cmp.baseline, cmp.quantized, cmp.higher_is_better),
-        degradation=deg,
-        degradation_stderr=noise,
+        degradation=cmp.degradation,
+        degradation_stderr=cmp.noise,
         allowed_degradation=allowed,
         criteria=spec.criteria(),
         status=status,
         reason=reason,
+        signal=not (allowed is None or cmp.constant),
+        test=cmp.bounds.method if cmp.bounds else None,
+        items_needed=needed,
     )
 
 
-def _status(allowed: float | None, deg: float, noise: float | None, cmp: Comparison) -> tuple[str, str]:
+def _status(allowed: float | None, cmp: Comparison) -> tuple[str, str, int | None]:
+    """(status, reason, items needed) from the one-sided 95 % bounds of the degradation."""
+    deg = cmp.degradation
     if allowed is None:
-        return "inconclusive", f"baseline {cmp.metric} is {cmp.baseline:g}: recovery is undefined, this gate says nothing"
+        return "inconclusive", f"baseline {cmp.metric} is {cmp.baseline:g}: recovery is undefined, this gate says nothing", None
     if not math.isfinite(deg):
-        return "fail", f"the quantized {cmp.metric} is {cmp.quantized:g}"
-    within = f"degradation {deg:.4g} vs allowed {allowed:.4g}"
-    spread = f"±{noise:.2g}" if noise is not None else ""
-    if cmp.log_ratio_stderr is not None and cmp.baseline > 0 and cmp.quantized > 0:
-        # Multiplicative metrics: compare log(quantized/baseline) with log(1 + allowed/baseline).
-        within = f"{cmp.quantized / cmp.baseline - 1:+.2%} vs allowed {allowed / cmp.baseline:+.2%}"
-        deg, allowed, noise = math.log(cmp.quantized / cmp.baseline), math.log1p(allowed / cmp.baseline), cmp.log_ratio_stderr
-        spread = f"±{noise:.1%}"
-    if deg > allowed:
-        if noise is not None and deg - NOISE_Z * noise <= allowed:
-            return "inconclusive", within + f": exceeded, but within noise {spread}; evaluate more items (--limit) to decide"
-        return "fail", within + " (exceeded" + (f", beyond noise {spread})" if noise is not None else ")")
+        return "fail", f"the quantized {cmp.metric} is {cmp.quantized:g}", None
     if cmp.constant:
-        return "inconclusive", f"all {cmp.items} items scored {cmp.baseline:g} on both models: no variance, nothing to judge by"
-    if noise is None:
-        return "pass", within + " (no standard error available: noise not assessed)"
-    if deg > allowed - NOISE_Z * noise:
         return (
             "inconclusive",
-            within + f": too close to call at {spread} (one-sided 95%); evaluate more items (--limit) to decide",
+            f"all {cmp.items} items scored {cmp.baseline:g} on both models: no variance, nothing to judge by",
+            None,
         )
-    return "pass", within + f", clear of noise {spread}"
+    within = f"degradation {deg:.4g} vs allowed {allowed:.4g}"
+    if cmp.log_scale and cmp.baseline > 0 and cmp.quantized > 0:
+        # Multiplicative metrics: compare log(quantized/baseline) with log(1 + allowed/baseline).
+        within = f"{cmp.quantized / cmp.baseline - 1:+.2%} vs allowed {allowed / cmp.baseline:+.2%}"
+        deg, allowed = math.log(cmp.quantized / cmp.baseline), math.log1p(allowed / cmp.baseline)
+    b = cmp.bounds
+    if b is None:
+        return _without_bounds(cmp, deg, allowed, within)
+    band = f"[{_fmt(b.lower, cmp.log_scale)}, {_fmt(b.upper, cmp.log_scale)}] one-sided 95 %, {b.method}"
+    if b.lower > allowed:
+        return "fail", f"{within}: exceeded beyond noise, degradation {band}", None
+    if b.upper < allowed:
+        return "pass", f"{within}, clear of noise: degradation {band}", None
+    needed = items_needed(cmp, deg, allowed)
+    more = f"about {needed} items would decide" if needed else "more items may not decide it"
+    if deg > allowed:
+        return "inconclusive", f"{within}: exceeded, but within noise {band}; {more} (--limit)", needed
+    if b.discordant == (0, 0):
+        return (
+            "inconclusive",
+            f"{within}: the models agreed on all {b.items} items, too few to bound the difference: {band}; {more} (--limit)",
+            needed,
+        )
+    return "inconclusive", f"{within}: too close to call, degradation {band}; {more} (--limit)", needed
+
+
+def _without_bounds(cmp: Comparison, deg: float, allowed: float, within: str) -> tuple[str, str, int | None]:
+    """No valid paired bound (too few items, no per-item values, or identical scores): never a pass."""
+    n = cmp.items
+    if not n:
+        noise = cmp.noise
+        if noise is not None and deg - 1.645 * noise > allowed:  # unpaired normal bound: only ever a failure
+            return "fail", f"{within}: exceeded beyond the unpaired noise ±{noise:.2g}", None
+        return "inconclusive", f"{within}: lm-eval logged no per-item values, so the noise cannot be judged", None
+    if n < 2:
+        return "inconclusive", f"{within}: one item gives no noise estimate; evaluate more items (--limit)", None
+    return (
+        "inconclusive",
+        f"{within}: both models scored identically on all {n} items, so a paired test has no noise estimate; "
+        "evaluate more items (--limit), or a task with 0/1 items",
+        None,
+    )
+
+
+def items_needed(cmp: Comparison, deg: float, allowed: float) -> int | None:
+    """About how many items would put the bound clear of the allowance, if the observed difference holds."""
+    b = cmp.bounds
+    if b is None:
+        return None
+    if b.discordant == (0, 0):
+        # No item differed: the exact bound is 1 - 0.025^(1/n), below `allowed` from this n on.
+        return math.floor(math.log(0.025) / math.log1p(-allowed)) + 1 if 0 < allowed < 1 else None
+    gap = abs(deg - allowed)
+    half = (b.upper - b.lower) / 2
+    if gap == 0 or half <= 0:
+        return None
+    return max(b.items + 1, math.ceil(b.items * (half / gap) ** 2))
+
+
+def _fmt(x: float, log_scale: bool) -> str:
+    return f"{math.expm1(x):+.2%}" if log_scale else f"{x:+.4g}"
 
 
 def verdict(gates: list[Gate]) -> str:
-    """fail if any gate fails; pass if at least one passes and none fails; else inconclusive."""
-    statuses = {g.status for g in gates}
+    """fail if any gate fails; inconclusive if any gate with signal is inconclusive; pass if at
+    least one gate passed and every other one passed or had no signal; else inconclusive.
+
+    A gate past its allowance but within noise therefore holds the verdict at inconclusive: a
+    passing gate on another task cannot outvote it.
+    """
+    statuses = [g.status for g in gates]
     if "fail" in statuses:
         return "fail"
+    if any(g.status == "inconclusive" and g.signal for g in gates):
+        return "inconclusive"
     return "pass" if "pass" in statuses else "inconclusive"

@@ -28,7 +28,7 @@ def format_table(summary: dict[str, Any]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    lines += [f"  {g['task']} {g['metric']}: {g['status']}: {g['reason']}" for g in summary["gates"]]
+    lines += [f"  {g['task']} {g['metric']}: {_status(g)}: {g['reason']}" for g in summary["gates"]]
     lines.append(f"engine parity: {summary['parity']['status'].upper()}: {summary['parity'].get('reason', '')}")
     kv = summary.get("kv_cache") or {}
     if kv.get("status") not in (None, "skipped"):
@@ -56,7 +56,7 @@ def markdown_report(summary: dict[str, Any]) -> str:
     if summary.get("emulated"):
         out += ["> **Emulated**: vLLM cannot run this scheme on this device; scores come from transformers.", ""]
     out += md_table(gate_rows(summary)) + [""]
-    out += [f"- {g['task']} / {g['metric']}: **{g['status']}**: {g['reason']}" for g in summary["gates"]] + [""]
+    out += [f"- {g['task']} / {g['metric']}: **{_status(g)}**: {g['reason']}" for g in summary["gates"]] + [""]
     out += [
         "## Engine parity",
         "",
@@ -99,3 +99,8 @@ def markdown_report(summary: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(out)
+
+
+def _status(gate: dict[str, Any]) -> str:
+    """A gate without signal is a warning: it neither passes nor holds up the verdict (gates.verdict)."""
+    return gate["status"] if gate.get("signal", True) else "warning: no signal"

@@ -7,10 +7,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from qserve.checkpoint.manifest import Manifest, manifest_digest, read_manifest, verify_files
-from qserve.checkpoint.records import read_eval
+from qserve.checkpoint.manifest import Manifest, read_manifest, verify_files
 from qserve.device import detect, engine, flags, support
-from qserve.errors import QserveError
 from qserve.paths import log_file
 from qserve.serve.auth import MIDDLEWARE
 
@@ -33,22 +31,6 @@ def load_servable(ckpt: Path) -> tuple[Manifest, detect.Device]:
     device = detect.detect_device()
     support.check_runnable(manifest, device.kind, device.detail)
     return manifest, device
-
-
-def check_gate(ckpt: Path) -> str:
-    """Raise unless this exact checkpoint passed `qserve eval`; returns when it was decided."""
-    result = read_eval(ckpt)
-    if result is None:
-        raise QserveError(f"{ckpt} has no accuracy gate result; run `qserve eval {ckpt}` first (or pass --skip-gate)")
-    if result.get("manifest_sha256") != manifest_digest(ckpt):
-        raise QserveError(
-            f"the gate result in {ckpt} was decided for different checkpoint contents; run `qserve eval {ckpt}` again"
-        )
-    if result.get("verdict") != "pass":
-        raise QserveError(
-            f"{ckpt} did not pass its accuracy gate (verdict: {result.get('verdict')}); see `qserve eval {ckpt}` (or pass --skip-gate)"
-        )
-    return str(result.get("decided_at"))
 
 
 # qserve's defaults that a user's pass-through option may replace (argparse dest of each).
@@ -94,7 +76,7 @@ def _options(
     options += [("--kv-cache-dtype", args.kv_cache_dtype), ("--dtype", args.dtype), ("--host", host), ("--port", str(port))]
     options += [("--served-model-name", ckpt.resolve().name), ("--max-model-len", str(engine.MAX_MODEL_LEN))]
     # vLLM's API server always runs its engine core in a process of its own; a parent that ran an
-    # in-process engine (configure_cpu_env) must not change how the served engine is set up.
+    # in-process engine (engine.configure_engine_env) must not change how the served engine is set up.
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     if device.kind == "cpu":
         # The same engine settings the gate was decided with (see engine.engine_kwargs). Not the

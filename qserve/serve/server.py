@@ -15,10 +15,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
 
+from qserve.checkpoint import signing
+from qserve.checkpoint.records import check_gate
 from qserve.errors import QserveError
 from qserve.process import ProcessGroup
 from qserve.progress import info, step
-from qserve.serve.plan import ServePlan, check_gate, load_servable, plan
+from qserve.serve.plan import ServePlan, load_servable, plan
 
 READY_TIMEOUT = 900.0
 
@@ -48,6 +50,7 @@ def serve(
     ready_timeout: float = READY_TIMEOUT,
     verbose: bool = False,
     key_source: str = "--api-key",
+    verify_key: Path | None = None,
 ) -> NoReturn:
     """Start the server, wait until it answers a generation request, and run until it exits or we are signalled.
 
@@ -56,6 +59,9 @@ def serve(
     """
     ckpt = Path(checkpoint)
     manifest, device = load_servable(ckpt)
+    if verify_key is not None:
+        signing.verify(ckpt, verify_key)
+        info(f"signature by {verify_key} covers every file")
     if skip_gate:
         info("warning: --skip-gate: serving a checkpoint without a passing accuracy gate")
     else:
