@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 from conftest import run_qserve
 
-HEAVY = ("torch", "vllm", "llmcompressor", "lm_eval", "transformers", "quark")
+HEAVY = ("torch", "vllm", "llmcompressor", "lm_eval", "transformers", "quark", "scipy", "model_signing")
 
 
 def test_help_imports_nothing_heavy() -> None:
     code = (
         "import sys; from typer.testing import CliRunner; from qserve.cli import app\n"
-        "for args in (['--help'], ['quantize', '--help'], ['eval', '--help'], ['serve', '--help']):\n"
+        "for args in (['--help'], ['quantize', '--help'], ['eval', '--help'], ['serve', '--help'], ['sign', '--help']):\n"
         "    r = CliRunner().invoke(app, args); assert r.exit_code == 0, r.output\n"
         f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
     )

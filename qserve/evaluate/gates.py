@@ -32,7 +32,7 @@ class GateSpec(BaseModel):
     @model_validator(mode="after")
     def _has_criterion(self) -> GateSpec:
         if all(getattr(self, c) is None for c in CRITERIA):
-            raise ValueError(f"a gate needs at least one of {', '.join(CRITERIA)}")
+            raise InvalidSpec(f"a gate needs at least one of {', '.join(CRITERIA)}")
         return self
 
     def criteria(self) -> dict[str, float]:

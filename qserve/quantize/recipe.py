@@ -10,7 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from qserve.checkpoint.schemes import QUARK_GROUP_SIZES, SCHEMES, get_scheme
-from qserve.errors import QserveError
+from qserve.errors import InvalidSpec, QserveError
 from qserve.evaluate.gates import GateSpec
 from qserve.paths import project_data
 
@@ -49,18 +49,18 @@ class DataSource(_Strict):
             return data
         defined = calibration_sources()
         if data["source"] not in defined:
-            raise ValueError(f"unknown calibration source {data['source']!r}; available: {', '.join(defined) or 'none'}")
+            raise InvalidSpec(f"unknown calibration source {data['source']!r}; available: {', '.join(defined) or 'none'}")
         return defined[data["source"]] | data
 
     @model_validator(mode="after")
     def _one_origin(self) -> DataSource:
         origins = [k for k in ("path", "dataset", "generate") if getattr(self, k) is not None]
         if len(origins) > 1:
-            raise ValueError(f"give one of path, dataset or generate, not {' and '.join(origins)}")
+            raise InvalidSpec(f"give one of path, dataset or generate, not {' and '.join(origins)}")
         if not origins and not getattr(self, "mix", None):  # CalibrationSpec adds `mix`
-            raise ValueError("needs a source, path, dataset, generate or mix")
+            raise InvalidSpec("needs a source, path, dataset, generate or mix")
         if self.text is not None and self.messages is not None:
-            raise ValueError("give text or messages, not both")
+            raise InvalidSpec("give text or messages, not both")
         return self
 
     @property
@@ -82,7 +82,7 @@ class CalibrationSpec(DataSource):
     @model_validator(mode="after")
     def _mix_alone(self) -> CalibrationSpec:
         if self.mix and any(getattr(self, k) is not None for k in ("path", "dataset", "generate")):
-            raise ValueError("a mix lists its sources under mix; remove path/dataset/generate from the calibration section")
+            raise InvalidSpec("a mix lists its sources under mix; remove path/dataset/generate from the calibration section")
         return self
 
     def sources(self) -> list[DataSource]:
@@ -155,22 +155,22 @@ class Recipe(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> Recipe:
         if (self.scheme is None) == (self.modifiers is None):
-            raise ValueError("give either scheme or modifiers (an llm-compressor recipe)")
+            raise InvalidSpec("give either scheme or modifiers (an llm-compressor recipe)")
         if self.modifiers is not None:
             if self.backend != "llmcompressor":
-                raise ValueError("modifiers are llm-compressor's; they need backend: llmcompressor")
+                raise InvalidSpec("modifiers are llm-compressor's; they need backend: llmcompressor")
             return self
         scheme = get_scheme(self.scheme, self.backend)
         if self.backend == "quark" and (self.algorithm != "rtn" or self.smoothquant or self.algorithm_options):
-            raise ValueError(
+            raise InvalidSpec(
                 "with backend quark, qserve runs Quark's plain (rtn) quantization: drop algorithm, algorithm_options, smoothquant"
             )
         if self.backend == "quark" and scheme.group_quantized and (self.group_size or 128) not in QUARK_GROUP_SIZES:
-            raise ValueError(f"Quark's {self.scheme} takes group_size {', '.join(map(str, QUARK_GROUP_SIZES))}")
+            raise InvalidSpec(f"Quark's {self.scheme} takes group_size {', '.join(map(str, QUARK_GROUP_SIZES))}")
         if self.group_size is not None and not scheme.group_quantized:
-            raise ValueError(f"group_size does not apply to {self.scheme} (fixed or per-channel groups)")
+            raise InvalidSpec(f"group_size does not apply to {self.scheme} (fixed or per-channel groups)")
         if self.algorithm == "awq" and scheme.activations != "fp16":
-            raise ValueError(f"awq protects weight-only schemes; {self.scheme} quantizes activations too")
+            raise InvalidSpec(f"awq protects weight-only schemes; {self.scheme} quantizes activations too")
         return self
 
     @model_validator(mode="after")
@@ -183,7 +183,7 @@ class Recipe(_Strict):
         ]
         reasons = [r for r in reasons if r]
         if reasons and self.calibration is None:
-            raise ValueError(f"{' and '.join(reasons)} need a calibration section")
+            raise InvalidSpec(f"{' and '.join(reasons)} need a calibration section")
         return self
 
     @property
