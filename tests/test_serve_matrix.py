@@ -26,6 +26,8 @@ SERVABLE = {
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 TOKENS = 16
+# FP8_DYNAMIC generates at ~30 s a token on this CPU (conftest.FP8_RECIPES): the same comparison on 3.
+TOKENS_FOR = {"fp8": 3}
 
 
 def test_serve_column_is_exactly_what_this_module_proves() -> None:
@@ -35,14 +37,14 @@ def test_serve_column_is_exactly_what_this_module_proves() -> None:
     assert all(support.CPU[key].runs for key in served)  # nothing is served that eval cannot gate
 
 
-def _eval_engine_texts(ckpt) -> tuple[str, str]:
+def _eval_engine_texts(ckpt, tokens: int) -> tuple[str, str]:
     """Greedy completion and chat reply from the engine `qserve eval` decides the gate with."""
     from vllm import SamplingParams
 
     manifest = read_manifest(ckpt)
     with engine.open_engine(ckpt, manifest.vllm_args, detect.detect_device(), ckpt.name) as lm:
-        text = engine.greedy_generate(lm, [PROMPT], TOKENS)[0]
-        params = SamplingParams(temperature=0.0, max_tokens=TOKENS)
+        text = engine.greedy_generate(lm, [PROMPT], tokens)[0]
+        params = SamplingParams(temperature=0.0, max_tokens=tokens)
         chat = lm.model.chat(CHAT, params, use_tqdm=False)[0].outputs[0].text
     return text, chat
 
@@ -51,17 +53,18 @@ def _eval_engine_texts(ckpt) -> tuple[str, str]:
 @pytest.mark.parametrize("name", sorted(SERVABLE))
 def test_served_text_equals_the_eval_engines(checkpoints, name: str) -> None:
     ckpt = checkpoints[name]
-    text, chat = _eval_engine_texts(ckpt)
+    tokens = TOKENS_FOR.get(name, TOKENS)
+    text, chat = _eval_engine_texts(ckpt, tokens)
     server = Server(ckpt, "--skip-gate")
     try:
         assert server.ready_line == f"serving {ckpt.name} at {server.base_url}\n", (ckpt / "logs" / "serve.log").read_text()[
             -3000:
         ]
         client = server.client()
-        common = {"model": ckpt.name, "max_tokens": TOKENS, "temperature": 0}
+        common = {"model": ckpt.name, "max_tokens": tokens, "temperature": 0}
         served_chat = client.chat.completions.create(messages=CHAT, **common).choices[0].message.content
         served_text = client.completions.create(prompt=PROMPT, **common).choices[0].text
     finally:
         server.close()
-    assert "Paris" in served_chat
+    assert served_text.startswith(" Paris") and served_chat  # the model answers through the server
     assert (served_text, served_chat) == (text, chat)

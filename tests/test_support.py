@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_qserve
+from conftest import FP8_PARITY, FP8_RECIPES, REPO, run_qserve
 
 from qserve.checkpoint.manifest import MANIFEST_NAME, read_manifest, sha256_file
 from qserve.checkpoint.schemes import SCHEMES
@@ -107,9 +107,10 @@ def test_matrix_claims_hold_in_vllm(checkpoints, mxfp4a16: Path) -> None:
 
 def _parity_and_kv(ckpt: Path) -> tuple[dict, dict]:
     manifest = read_manifest(ckpt)
+    light = FP8_PARITY if ckpt.name in FP8_RECIPES else {"prompts": len(parity.PROMPTS), "max_tokens": parity.MAX_TOKENS}
     with engine.open_engine(ckpt, manifest.vllm_args, detect.detect_device(), ckpt.name) as lm:
         assert lm.model.llm_engine.model_config.quantization == manifest.vllm_args.quantization
-        generations = parity.vllm_generations(lm)
+        generations = parity.vllm_generations(lm, parity.PROMPTS[: light["prompts"]], light["max_tokens"])
         kv = kv_scales.check_kv_scales(kv_scales.kv_scales(lm), manifest.vllm_args.kv_cache_dtype)
     tolerance = parity.tolerance_for(SCHEMES[manifest.scheme].activations, manifest.vllm_args.kv_cache_dtype)
     return parity.compare_with_transformers(ckpt, generations, tolerance), kv

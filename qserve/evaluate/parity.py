@@ -54,11 +54,11 @@ class Generation:
     top_logprobs: list[dict[int, float]]  # per generated position: vLLM's top-k token -> logprob
 
 
-def vllm_generations(lm: Any, prompts: list[str] = PROMPTS) -> list[Generation]:
+def vllm_generations(lm: Any, prompts: list[str] = PROMPTS, max_tokens: int = MAX_TOKENS) -> list[Generation]:
     """Greedy generations with top-k log-probabilities from an engine opened by engine.open_engine."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=TOP_K)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=TOP_K)
     outputs = lm.model.generate(prompts, params, use_tqdm=False)
     return [
         Generation(

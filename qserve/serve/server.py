@@ -137,8 +137,9 @@ def _healthy(url: str) -> bool:
 
 
 def _first_answer(p: ServePlan, out: dict[str, BaseException | None]) -> None:
-    """One greedy completion of a few tokens; any failure is recorded as a short reason."""
-    body = json.dumps({"model": p.model_name, "prompt": "Hello", "max_tokens": 4, "temperature": 0}).encode()
+    """One greedy completion of two tokens (a prefill and a decode step, so both paths' kernels have
+    run); any failure is recorded as a short reason. Short: on a slow kernel every token counts."""
+    body = json.dumps({"model": p.model_name, "prompt": "Hello", "max_tokens": 2, "temperature": 0}).encode()
     headers = {"Content-Type": "application/json"}
     if p.api_key:
         headers["Authorization"] = f"Bearer {p.api_key}"
