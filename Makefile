@@ -20,7 +20,7 @@ demo: setup
 	$(UV) run --locked --extra cpu qserve serve $(DEMO_OUT)
 
 test: setup
-	$(UV) run --locked --extra cpu pytest -ra
+	$(UV) run --locked --extra cpu pytest -ra --durations=15
 
 test-fast: setup
 	$(UV) run --locked --extra cpu pytest -ra -m "not slow"

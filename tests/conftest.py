@@ -145,10 +145,10 @@ class Server:
         self.curl_line = self.proc.stdout.readline()
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
 
-    def client(self, api_key: str = API_KEY):
+    def client(self, api_key: str = API_KEY, timeout: float = 120):
         from openai import OpenAI
 
-        return OpenAI(base_url=self.base_url, api_key=api_key, timeout=120, max_retries=0)
+        return OpenAI(base_url=self.base_url, api_key=api_key, timeout=timeout, max_retries=0)
 
     def close(self) -> None:
         """SIGTERM, so qserve takes vLLM's whole process group down with it (a SIGKILL would orphan it)."""
