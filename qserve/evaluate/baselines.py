@@ -37,7 +37,7 @@ def task_key(model_hash: str, task_config: dict, limit: int | None, engine: dict
     return {
         "format": FORMAT,
         "model_sha256": model_hash,
-        "task": _stable(_with_data_hashes(task_config)),
+        "task": stable(with_data_hashes(task_config)),
         "num_fewshot": task_config.get("num_fewshot"),
         "limit": limit,
         "lm_eval": versions.get("lm-eval"),
@@ -66,7 +66,7 @@ def entry_path(key: dict) -> Path:
     return paths.cache_dir() / "baselines" / f"{key['task'].get('task', 'task')}-{_digest(key)[:20]}.json"
 
 
-def _with_data_hashes(config: dict) -> dict:
+def with_data_hashes(config: dict) -> dict:
     cfg = dict(config)
     files = (cfg.get("dataset_kwargs") or {}).get("data_files")
     if isinstance(files, dict):
@@ -74,7 +74,7 @@ def _with_data_hashes(config: dict) -> dict:
     return cfg
 
 
-def _stable(obj: Any) -> Any:
+def stable(obj: Any) -> Any:
     """JSON-safe and identical across runs: functions by qualified name and the hash of their
     source (an edited `!function` hook changes the key), never by address."""
 

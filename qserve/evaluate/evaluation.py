@@ -94,9 +94,44 @@ def evaluate(
     if "fail" in (parity_result["status"], extra["kv_cache"]["status"]):
         final = "fail"
     summary = _summary(plan, base_side, quant, base, decided, final, parity_result, extra, limit, refresh_baseline)
+    summary["request"] = _request(plan, limit, check_parity)
     summary["timings"]["total_seconds"] = round(time.monotonic() - started, 2)
     reports.write_all(plan.ckpt, plan.manifest, summary, {"quantized": quant.raw, "baseline": base.raw})
     return summary
+
+
+def reusable_eval(
+    checkpoint: str | Path,
+    tasks: list[str] | None = None,
+    limit: int | None = None,
+    gates: dict[str, list[GateSpec]] | None = None,
+    data_dir: str | Path | None = None,
+    check_parity: bool = True,
+) -> dict[str, Any] | None:
+    """The checkpoint's eval record if re-running this eval would decide the same question: bound
+    to the current manifest (files verified), same tasks, task configs and data contents, limit,
+    gates and parity. None otherwise (or when there is no record)."""
+    from qserve.checkpoint.records import read_eval
+
+    record = read_eval(Path(checkpoint))
+    if record is None or record.get("manifest_sha256") != manifest_digest(Path(checkpoint)):
+        return None
+    plan = _plan(checkpoint, tasks, gates, data_dir, None)
+    return record if record.get("request") == _request(plan, limit, check_parity) else None
+
+
+def _request(plan: _Plan, limit: int | None, check_parity: bool) -> dict[str, Any]:
+    """What an eval was asked to decide; equal requests on the same manifest decide the same thing."""
+    return baselines.stable(
+        {
+            "tasks": [t.name for t in plan.tasks],
+            "task_configs": {n: baselines.with_data_hashes(c) for n, c in plan.configs.items()},
+            "limit": limit,
+            "gates": {n: [s.model_dump() for s in specs] for n, specs in plan.specs.items()},
+            "parity": check_parity,
+            "device": detect.fingerprint(plan.device),
+        }
+    )
 
 
 def _plan(

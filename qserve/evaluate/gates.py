@@ -152,6 +152,9 @@ class Gate:
     signal: bool = True
     test: str | None = None  # the bound the decision used (stats.py)
     items_needed: int | None = None  # inconclusive: about how many items would decide
+    # The decision's numbers for machines: one-sided 95 % bounds of the degradation and the
+    # allowance, relative for perplexities (0.02 = +2 %), else in the metric's own units.
+    bounds: dict[str, float | str] | None = None
 
 
 def recovery(baseline: float, quantized: float, higher_is_better: bool) -> float | None:
@@ -204,7 +207,22 @@ def decide(task: str, spec: GateSpec, cmp: Comparison) -> Gate:
         signal=not (allowed is None or cmp.constant),
         test=cmp.bounds.method if cmp.bounds else None,
         items_needed=needed,
+        bounds=_bounds_record(cmp, allowed),
     )
+
+
+def _bounds_record(cmp: Comparison, allowed: float | None) -> dict[str, float | str] | None:
+    b = cmp.bounds
+    if b is None or allowed is None:
+        return None
+    if cmp.log_scale and cmp.baseline > 0:
+        return {
+            "lower": math.expm1(b.lower),
+            "upper": math.expm1(b.upper),
+            "allowed": allowed / cmp.baseline,
+            "scale": "relative",
+        }
+    return {"lower": b.lower, "upper": b.upper, "allowed": allowed, "scale": "metric"}
 
 
 def _status(allowed: float | None, cmp: Comparison) -> tuple[str, str, int | None]:

@@ -45,8 +45,12 @@ def quantize(
     data_dir: str | Path | None = None,
     force: bool = False,
     trust_remote_code: bool = False,
+    remember: bool = True,
 ) -> QuantizeResult:
-    """Quantize `model` with the recipe and write a checkpoint plus manifest into `output`."""
+    """Quantize `model` with the recipe and write a checkpoint plus manifest into `output`.
+
+    `remember` makes it the checkpoint `qserve eval` uses when given none.
+    """
     recipe, recipe_sha = load_recipe(recipe_path)
     out = Path(output) if output else default_output(recipe)
     if out.exists() and not force:
@@ -78,7 +82,8 @@ def quantize(
         publish(partial, out, force)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
-    paths.remember_checkpoint(out)
+    if remember:
+        paths.remember_checkpoint(out)
     info(f"checkpoint written to {out}")
     return QuantizeResult(out, manifest)
 
@@ -149,9 +154,27 @@ def _run(
             "peak_rss_mib": peak_rss_mib(),
         },
         files=files,
+        environment=environment(ref.path),
     )
     write_manifest(partial, manifest)
     return manifest
+
+
+def environment(model_path: Path) -> dict[str, Any]:
+    """What a bit-exact re-run needs besides recipe, model, data and library versions."""
+    import platform
+
+    import torch
+
+    from qserve.device.detect import detect_device, fingerprint
+    from qserve.evaluate.baselines import model_digest
+
+    return {
+        "torch_threads": torch.get_num_threads(),
+        "device": fingerprint(detect_device()),
+        "python": platform.python_version(),
+        "source_model_sha256": model_digest(model_path),
+    }
 
 
 def peak_rss_mib() -> float:

@@ -1,0 +1,5 @@
+"""`python -m qserve.cli`."""
+
+from qserve.cli import main
+
+main()

@@ -1,0 +1,145 @@
+"""What every command shares: options, the error handling, small parsers."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from qserve.errors import EXIT_ERROR, EXIT_GATE_FAILED, EXIT_GATE_INCONCLUSIVE, QserveError, Stopped
+
+ModelOpt = Annotated[
+    str | None,
+    typer.Option("--model", "-m", help="Local HF checkpoint dir or hub id. Default: the embedded SmolLM2-135M-Instruct."),
+]
+DataDirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--data-dir", help="Root for relative data paths in recipes and evals/. Default: $QSERVE_DATA_DIR or the current dir."
+    ),
+]
+VerboseOpt = Annotated[
+    bool,
+    typer.Option(
+        "--verbose",
+        "-v",
+        help="Also show the libraries' own output live (vLLM, llm-compressor, lm-eval); it always goes to the log file.",
+    ),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON instead of text.")]
+TrustRemoteCodeOpt = Annotated[
+    bool, typer.Option("--trust-remote-code", help="Run the model repo's own Python code (off by default).")
+]
+TasksOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--tasks",
+        "-t",
+        help="Comma-separated tasks from evals/ (gsm8k_ppl, gsm8k, gsm8k_mc, arc_easy). Default: the recipe's gated tasks.",
+    ),
+]
+LimitOpt = Annotated[int | None, typer.Option("--limit", "-l", min=1, help="Evaluate only the first N items of each task.")]
+GateOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--gate",
+        "-g",
+        help="TASK[@METRIC][:CRITERION]=VALUE, repeatable; CRITERION is min_recovery (default), max_drop or "
+        "max_increase (perplexity, relative). E.g. gsm8k=0.9, gsm8k_ppl:max_increase=0.05. Replaces the recipe's gates "
+        "for that task (default: min_recovery 0.95).",
+    ),
+]
+ParityOpt = Annotated[
+    bool,
+    typer.Option(
+        "--parity/--no-parity", help="Check that vLLM matches transformers on this checkpoint (greedy tokens, logprobs)."
+    ),
+]
+HostOpt = Annotated[str, typer.Option(help="Address to bind. Loopback unless you mean otherwise.")]
+PortOpt = Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")]
+ApiKeyOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--api-key",
+        envvar="QSERVE_API_KEY",
+        help="Require this bearer token on every route but /health, /ping, /version and /metrics. "
+        "An inherited VLLM_API_KEY is used (and reported) when neither this nor QSERVE_API_KEY is set.",
+    ),
+]
+ReadyTimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        "--ready-timeout",
+        min=1,
+        help="Seconds the vLLM server may take to answer its first request; then it is stopped (exit 1).",
+    ),
+]
+VerifyKeyOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--verify-key",
+        help="PEM public key: refuse the checkpoint unless `qserve sign` with the matching private key covered "
+        "exactly its files, manifest and eval record.",
+    ),
+]
+
+
+def user_errors(fn):
+    """Print QserveError as one line on stderr and exit non-zero; no traceback for user mistakes."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except QserveError as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(EXIT_ERROR) from None
+        except KeyboardInterrupt:
+            typer.echo("interrupted", err=True)
+            raise typer.Exit(130) from None
+        except Stopped as exc:  # the vLLM process group is already gone
+            typer.echo(str(exc), err=True)
+            raise typer.Exit(128 + exc.signum) from None
+        except OSError as exc:  # full disk, permissions: the user's to fix, not a crash
+            where = f": {exc.filename}" if exc.filename else ""
+            typer.echo(f"error: {exc.strerror or exc}{where}", err=True)
+            raise typer.Exit(EXIT_ERROR) from None
+
+    return wrapper
+
+
+def vllm_logs_to_stderr() -> None:
+    """vLLM logs to stdout by default; qserve keeps stdout for results (children inherit this)."""
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+
+
+def library_output(log: Path, verbose: bool):
+    """Libraries' output into `log`; the terminal shows qserve's steps; stdout stays for the result."""
+    from qserve.capture import library_output as capture
+
+    vllm_logs_to_stderr()
+    return capture(log, verbose)
+
+
+def verdict_exit(summary: dict) -> int:
+    return {"pass": 0, "fail": EXIT_GATE_FAILED}.get(summary["verdict"], EXIT_GATE_INCONCLUSIVE)
+
+
+def api_key(value: str | None) -> dict[str, str | None]:
+    """The API key and where it came from: --api-key, QSERVE_API_KEY, or an inherited VLLM_API_KEY (reported)."""
+    if value is not None:
+        flag = any(a == "--api-key" or a.startswith("--api-key=") for a in sys.argv)
+        return {"api_key": value, "key_source": "--api-key" if flag else "QSERVE_API_KEY"}
+    inherited = os.environ.get("VLLM_API_KEY")
+    if inherited:
+        typer.echo("note: using the API key inherited in VLLM_API_KEY (pass --api-key to choose one)", err=True)
+        return {"api_key": inherited, "key_source": "VLLM_API_KEY"}
+    return {"api_key": None, "key_source": "--api-key"}
+
+
+def split(value: str | None) -> list[str] | None:
+    return [v.strip() for v in value.split(",") if v.strip()] if value else None

@@ -1,0 +1,70 @@
+"""`qserve eval`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from qserve.cli._common import (
+    DataDirOpt,
+    GateOpt,
+    JsonOpt,
+    LimitOpt,
+    ParityOpt,
+    TasksOpt,
+    VerboseOpt,
+    VerifyKeyOpt,
+    split,
+    user_errors,
+    verdict_exit,
+)  # fmt: skip
+
+
+@user_errors
+def eval_(
+    checkpoint: Annotated[Path | None, typer.Argument(help="Checkpoint dir. Default: the last `qserve quantize` output.")] = None,
+    tasks: TasksOpt = None,
+    limit: LimitOpt = None,
+    gate: GateOpt = None,
+    data_dir: DataDirOpt = None,
+    refresh_baseline: Annotated[
+        bool, typer.Option("--refresh-baseline", help="Re-run the baseline even if its scores are cached.")
+    ] = False,
+    parity: ParityOpt = True,
+    kv_cache_dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--kv-cache-dtype",
+            help="Assert the KV-cache dtype (auto, fp8). It must match the checkpoint: a contradiction is an error, never an override.",
+        ),
+    ] = None,
+    verify_key: VerifyKeyOpt = None,
+    as_json: JsonOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Run lm-eval on the checkpoint and its baseline in vLLM, check engine parity, apply the gates.
+
+    Where vLLM cannot run the scheme on this device (see `qserve doctor`), both run through transformers
+    and every report says EMULATED. With an FP8 KV cache, the eval also checks that the calibrated k/v
+    scales reached vLLM. Writes qserve_eval.json, qserve_eval.md, lm_eval_results.json and a model card
+    (README.md) into the checkpoint; the libraries' output goes to CHECKPOINT/logs/eval.log. Exit 3 if
+    a gate, parity or the KV check fails, 4 if no gate could decide (too few items).
+
+    \b
+    Examples:
+      qserve eval out-w8a8-int8 --tasks gsm8k_ppl --limit 100
+      qserve eval out-w8a8-int8 --tasks gsm8k_ppl,gsm8k_mc --gate gsm8k_ppl:max_increase=0.03 --json
+    """
+    from qserve.evaluate.gates import parse_cli_gates
+    from qserve.evaluate.reports import format_table
+    from qserve.workflow import evaluate_logged
+
+    summary = evaluate_logged(
+        checkpoint, verbose, tasks=split(tasks), limit=limit, gates=parse_cli_gates(gate or []), data_dir=data_dir,
+        refresh_baseline=refresh_baseline, check_parity=parity, kv_cache_dtype=kv_cache_dtype, verify_key=verify_key,
+    )  # fmt: skip
+    typer.echo(json.dumps(summary, indent=2) if as_json else format_table(summary))
+    raise typer.Exit(verdict_exit(summary))

@@ -1,0 +1,82 @@
+"""`qserve run`: quantize -> eval -> serve in one command."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from qserve.cli._common import (
+    ApiKeyOpt,
+    DataDirOpt,
+    GateOpt,
+    HostOpt,
+    LimitOpt,
+    ModelOpt,
+    ParityOpt,
+    PortOpt,
+    ReadyTimeoutOpt,
+    TasksOpt,
+    TrustRemoteCodeOpt,
+    VerboseOpt,
+    api_key,
+    split,
+    user_errors,
+    verdict_exit,
+    vllm_logs_to_stderr,
+)  # fmt: skip
+
+
+@user_errors
+def run(
+    ctx: typer.Context,
+    recipe: Annotated[Path, typer.Argument(help="Recipe YAML, e.g. recipes/w8a8-int8.yaml.")],
+    model: ModelOpt = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Checkpoint directory. Default: out-<recipe name>.")
+    ] = None,
+    data_dir: DataDirOpt = None,
+    trust_remote_code: TrustRemoteCodeOpt = False,
+    tasks: TasksOpt = None,
+    limit: LimitOpt = None,
+    gate: GateOpt = None,
+    parity: ParityOpt = True,
+    host: HostOpt = "127.0.0.1",
+    port: PortOpt = 8000,
+    key: ApiKeyOpt = None,
+    ready_timeout: ReadyTimeoutOpt = 900.0,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Quantize with the recipe, gate the checkpoint, and serve it if the gate passed: one command.
+
+    Each step's valid output is reused: a checkpoint made from the same recipe file, model,
+    calibration data and library versions whose files are intact is not quantized again, and an eval
+    record bound to the current manifest that decided the same tasks, data, --limit, gates and parity
+    on this device is not re-run. So a second `qserve run` goes straight to serving. A gate that
+    does not pass prints its table and exits 3 (fail) or 4 (inconclusive) without serving. Logs:
+    CKPT/logs/{quantize,eval,serve}.log. Extra vLLM server options go after `--`.
+
+    \b
+    Examples:
+      qserve run recipes/w8a8-int8.yaml --tasks gsm8k_ppl --limit 100
+      qserve run recipes/w4a16-gptq.yaml --tasks gsm8k_ppl --limit 100 --port 8001 -- --max-num-seqs 8
+    """
+    from qserve.evaluate.gates import parse_cli_gates
+    from qserve.evaluate.reports import format_table
+    from qserve.serve.server import serve
+    from qserve.workflow import checkpoint_for, gate_for
+
+    gates = parse_cli_gates(gate or [])
+    ckpt = checkpoint_for(
+        recipe, model=model, output=output, data_dir=data_dir, trust_remote_code=trust_remote_code, verbose=verbose
+    )
+    summary = gate_for(ckpt, tasks=split(tasks), limit=limit, gates=gates, data_dir=data_dir, parity=parity, verbose=verbose)
+    typer.echo(format_table(summary))
+    if summary["verdict"] != "pass":
+        typer.echo(f"error: {ckpt} did not pass its gate (verdict: {summary['verdict']}); not serving it", err=True)
+        raise typer.Exit(verdict_exit(summary))
+    vllm_logs_to_stderr()
+    serve(
+        ckpt, host=host, port=port, extra_args=list(ctx.args), **api_key(key), ready_timeout=ready_timeout, verbose=verbose
+    )  # fmt: skip

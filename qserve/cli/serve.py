@@ -1,0 +1,108 @@
+"""`qserve serve` and `qserve bench`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from qserve.cli._common import (
+    ApiKeyOpt,
+    DataDirOpt,
+    HostOpt,
+    JsonOpt,
+    PortOpt,
+    ReadyTimeoutOpt,
+    VerboseOpt,
+    VerifyKeyOpt,
+    api_key,
+    library_output,
+    user_errors,
+    vllm_logs_to_stderr,
+)  # fmt: skip
+from qserve.errors import QserveError
+
+
+@user_errors
+def serve(
+    ctx: typer.Context,
+    checkpoint: Annotated[Path, typer.Argument(help="Checkpoint dir whose accuracy gate passed.")],
+    host: HostOpt = "127.0.0.1",
+    port: PortOpt = 8000,
+    skip_gate: Annotated[
+        bool, typer.Option("--skip-gate", help="Serve even without a passing gate (not for production).")
+    ] = False,
+    key: ApiKeyOpt = None,
+    ready_timeout: ReadyTimeoutOpt = 900.0,
+    verify_key: VerifyKeyOpt = None,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Start vLLM's OpenAI-compatible server with the checkpoint's quantization, kv_cache_dtype and dtype.
+
+    Extra vLLM options go after `--`; they may not contradict the checkpoint's --quantization,
+    --kv-cache-dtype or --dtype. The endpoint is printed only once the server has answered one short
+    generation request. vLLM's output goes to CKPT/logs/serve.log. Ctrl-C or SIGTERM stops the
+    server's whole process group: SIGTERM first, SIGKILL for anything still alive 15 s later; exit
+    130 (SIGINT) or 143 (SIGTERM).
+
+    \b
+    Examples:
+      qserve serve out-w8a8-int8
+      QSERVE_API_KEY=$(openssl rand -hex 24) qserve serve out-w8a8-int8 --host 0.0.0.0
+      qserve serve out-w8a8-int8 -- --max-model-len 4096 --max-num-seqs 8
+    """
+    from qserve.serve.server import serve as run
+
+    vllm_logs_to_stderr()  # stdout: the endpoint and curl lines only
+    run(
+        checkpoint, host=host, port=port, skip_gate=skip_gate, extra_args=list(ctx.args), **api_key(key),
+        ready_timeout=ready_timeout, verbose=verbose, verify_key=verify_key,
+    )  # fmt: skip
+
+
+@user_errors
+def bench(
+    checkpoint: Annotated[
+        Path | None, typer.Argument(help="Checkpoint to serve and load-test (not needed with --suite).")
+    ] = None,
+    suite: Annotated[
+        bool, typer.Option("--suite", help="Run the benchmark suite: qserve's own costs as ratios against the raw libraries.")
+    ] = False,
+    num_prompts: Annotated[int, typer.Option(min=1, help="Requests in the synthetic load.")] = 32,
+    input_len: Annotated[int, typer.Option(min=1, help="Prompt tokens per request (random).")] = 128,
+    output_len: Annotated[int, typer.Option(min=1, help="Output tokens per request (EOS ignored).")] = 64,
+    concurrency: Annotated[int, typer.Option(min=1, help="Requests in flight at once.")] = 4,
+    work_dir: Annotated[Path, typer.Option(help="Scratch dir for --suite checkpoints and bench_suite.json.")] = Path(
+        "bench-suite"
+    ),
+    data_dir: DataDirOpt = None,
+    as_json: JsonOpt = False,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Throughput and latency (TTFT, TPOT) of a served checkpoint under vLLM's own benchmark load;
+    with --suite, what qserve costs against the raw libraries (ratios measured in one run).
+
+    \b
+    Examples:
+      qserve bench out-w8a8-int8 --num-prompts 16 --concurrency 2
+      qserve bench --suite --work-dir /tmp/bench
+    """
+    if suite:
+        from qserve.bench_suite import format_suite, run_suite
+        from qserve.paths import project_data
+
+        with library_output(work_dir / "logs" / "bench-suite.log", verbose):
+            result = run_suite(project_data("recipes"), work_dir, data_dir)
+        typer.echo(json.dumps(result, indent=2) if as_json else format_suite(result))
+        return
+    if checkpoint is None:
+        raise QserveError("pass CHECKPOINT to benchmark, or --suite")
+    from qserve.paths import log_file
+    from qserve.serve.bench import Load, format_bench
+    from qserve.serve.bench import bench as run
+
+    with library_output(log_file(checkpoint, "bench"), verbose):
+        result = run(checkpoint, Load(num_prompts, input_len, output_len, concurrency))
+    typer.echo(json.dumps(result, indent=2) if as_json else format_bench(result))

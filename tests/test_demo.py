@@ -1,0 +1,170 @@
+"""The newcomer's first run: `make demo`'s own command passes its gate with margin and serves; a
+second run reuses every step; the terminal shows qserve's steps, the logs hold the libraries' output;
+a checkpoint reproduces bit for bit."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import DATA_DIR, DEMO_LIMIT, DEMO_RECIPE, DEMO_TASKS, REPO, DemoRun, run_qserve
+
+from qserve.checkpoint.manifest import EVAL_NAME, read_manifest
+
+# What qserve itself prints on stderr; a library line (loguru, vLLM logging, tqdm, warnings) is none of these.
+QSERVE_LINE = re.compile(
+    r"^(> |ok |x |  \.\.\. |reusing |quantizing: |checkpoint written to |baseline for |accuracy gate passed |stopped by |"
+    r"warning: |note: |log: )"
+)
+
+
+@pytest.mark.slow
+def test_the_demo_passes_with_margin_and_serves(demo_run: DemoRun) -> None:
+    assert demo_run.returncode == 143, demo_run.stderr[-3000:]  # served, then stopped by SIGTERM
+    record = json.loads((demo_run.ckpt / EVAL_NAME).read_text())
+    assert record["verdict"] == "pass" and record["limit"] == DEMO_LIMIT and record["tasks"] == DEMO_TASKS.split(",")
+    assert record["parity"]["status"] == "pass"
+    for gate in record["gates"]:
+        assert gate["criteria"] == {"min_recovery": 0.95}  # the default: nothing loosened
+        assert (gate["status"], gate["signal"]) == ("pass", True)
+        # With margin: the 95 % upper bound of the loss is under half of what the gate allows.
+        assert gate["bounds"]["upper"] < gate["bounds"]["allowed"] / 2, gate["reason"]
+    assert f"verdict: PASS on {DEMO_LIMIT} items per task" in demo_run.stdout
+    assert re.fullmatch(r"serving out-w8a8-int8 at http://127\.0\.0\.1:\d+/v1", demo_run.stdout[-2])
+
+
+@pytest.mark.slow
+def test_the_terminal_shows_qserve_steps_and_the_logs_hold_the_libraries(demo_run: DemoRun) -> None:
+    strays = [line for line in demo_run.stderr.splitlines() if line.strip() and not QSERVE_LINE.match(line)]
+    assert strays == []
+    logs = demo_run.ckpt / "logs"
+    assert "Compression lifecycle" in (logs / "quantize.log").read_text()  # llm-compressor's loguru
+    assert "Processed prompts" in (logs / "eval.log").read_text()  # vLLM's tqdm
+    assert "Application startup complete" in (logs / "serve.log").read_text()  # vLLM's API server
+
+
+@pytest.mark.slow
+def test_a_second_run_goes_straight_to_serving_and_ctrl_c_stops_it(demo_run: DemoRun) -> None:
+    import socket
+
+    again = DemoRun(demo_run.ckpt, ctrl_c_twice=True)
+    assert again.returncode == 130, again.stderr[-3000:]  # 128 + SIGINT, as a shell reports an interrupted command
+    assert again.stderr.splitlines()[-1] == "stopped by SIGINT"
+    with pytest.raises(ConnectionRefusedError):  # the whole server is gone, not just qserve
+        socket.create_connection(("127.0.0.1", again.port), timeout=5)
+    assert f"reusing checkpoint {demo_run.ckpt}" in again.stderr
+    assert "reusing the eval" in again.stderr and "(verdict: pass)" in again.stderr
+    assert "> quantizing" not in again.stderr and "> starting vLLM for" not in again.stderr  # no quantize, no eval engine
+    assert again.stdout[-2].startswith("serving out-w8a8-int8 at ")
+
+
+@pytest.mark.slow
+def test_a_changed_recipe_or_gate_is_not_reused(demo_run: DemoRun, tmp_path: Path) -> None:
+    from qserve.evaluate.evaluation import reusable_eval
+    from qserve.evaluate.gates import parse_cli_gates
+    from qserve.workflow import why_stale
+
+    recipe = REPO / DEMO_RECIPE
+    assert why_stale(demo_run.ckpt, recipe, None, DATA_DIR, False) is None
+    edited = tmp_path / "w8a8-int8.yaml"
+    edited.write_text(recipe.read_text() + "# a comment changes the file, not the calibration\n")
+    assert why_stale(demo_run.ckpt, edited, None, DATA_DIR, False) == f"{demo_run.ckpt} was made with a different recipe file"
+    edited.write_text(recipe.read_text().replace("samples: 32", "samples: 16"))
+    assert why_stale(demo_run.ckpt, edited, None, DATA_DIR, False).endswith("a different recipe file, calibration data")
+    # The eval record answers only the question it decided.
+    asked = {"tasks": DEMO_TASKS.split(","), "limit": DEMO_LIMIT, "data_dir": DATA_DIR}
+    assert reusable_eval(demo_run.ckpt, **asked)["verdict"] == "pass"
+    assert reusable_eval(demo_run.ckpt, **(asked | {"limit": DEMO_LIMIT + 1})) is None
+    assert reusable_eval(demo_run.ckpt, **asked, check_parity=False) is None
+    stricter = parse_cli_gates(["gsm8k_ppl:max_increase=0.01"])
+    assert reusable_eval(demo_run.ckpt, **asked, gates=stricter) is None
+
+
+@pytest.mark.slow
+def test_quantize_reproduces_bit_exact(demo_run: DemoRun) -> None:
+    proc = run_qserve("reproduce", demo_run.ckpt)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    files = len(read_manifest(demo_run.ckpt).files)
+    assert proc.stdout.strip() == f"{demo_run.ckpt}: bit-exact ({files} files re-created with identical SHA-256)"
+    env = read_manifest(demo_run.ckpt).environment
+    assert env["torch_threads"] >= 1 and env["device"].startswith("cpu: ") and len(env["source_model_sha256"]) == 64
+
+
+@pytest.mark.slow
+def test_reproduce_names_what_differs(tmp_path: Path) -> None:
+    """A small GPTQ checkpoint calibrated on 100 GSM8K lines, re-run on 100 other lines: the weights differ."""
+    for name, lines in (("a", slice(0, 100)), ("b", slice(100, 200))):
+        (tmp_path / name / "gsm8k").mkdir(parents=True)
+        rows = (DATA_DIR / "gsm8k" / "train.jsonl").read_text().splitlines()[lines]
+        (tmp_path / name / "gsm8k" / "train.jsonl").write_text("\n".join(rows) + "\n")
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(
+        "name: tiny\nscheme: W4A16\nalgorithm: gptq\ngroup_size: 64\n"
+        "calibration: {source: gsm8k-train, samples: 4, seq_len: 64}\n"
+    )
+    ckpt = tmp_path / "ckpt"
+    proc = run_qserve("quantize", recipe, "--output", ckpt, "--data-dir", tmp_path / "a")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_qserve("reproduce", ckpt, "--data-dir", tmp_path / "b", "--json")
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["bit_exact"] is False and result["calibration_data_same"] is False
+    assert result["files"]["model.safetensors"] == "differs" and result["files"]["config.json"] == "same"
+    diffs = result["tensors"]["model.safetensors"]
+    # GPTQ's packed int4 weights and their scales move; the embedding (not quantized) does not.
+    assert any(k.endswith("weight_packed") for k in diffs) and "model.embed_tokens.weight" not in diffs
+    assert all(isinstance(v, float) and v > 0 for v in diffs.values())
+
+
+CAPTURED = r"""
+import os, sys, subprocess
+from pathlib import Path
+from qserve.capture import library_output
+from qserve.cli._common import user_errors
+from qserve.progress import info
+
+@user_errors
+def main(mode, log):
+    with library_output(Path(log), verbose=mode == "verbose"):
+        print("python stdout"); print("python stderr", file=sys.stderr); sys.stdout.flush(); sys.stderr.flush()
+        os.write(1, b"native fd 1\n"); os.write(2, b"native fd 2\n")
+        subprocess.run([sys.executable, "-c", "print('child process')"])
+        info("a qserve step")
+        if mode == "raise":
+            raise RuntimeError("int8_scaled_mm_with_quant: expect A to be bfloat16 or half.\nmore")
+        if mode == "abort":
+            os.abort()
+    print("the result")
+
+try:
+    main(sys.argv[1], sys.argv[2])
+except Exception as exc:  # typer.Exit, as the CLI would turn it into an exit code
+    sys.exit(exc.exit_code)
+"""
+LIBRARY = ["python stdout", "python stderr", "native fd 1", "native fd 2", "child process"]
+
+
+@pytest.mark.parametrize("mode", ["quiet", "verbose", "raise", "abort"])
+def test_library_output_goes_to_the_log(tmp_path: Path, mode: str) -> None:
+    log = tmp_path / "eval.log"
+    proc = subprocess.run([sys.executable, "-c", CAPTURED, mode, str(log)], capture_output=True, text=True, timeout=60)
+    assert log.read_text().splitlines()[:5] == LIBRARY  # everything, in order, even when the process aborts
+    shown = proc.stderr.splitlines()
+    if mode == "quiet":
+        assert (proc.returncode, proc.stdout, shown) == (0, "the result\n", ["a qserve step"])
+    elif mode == "verbose":
+        # the library lines are copied as the log grows, so they may trail qserve's own line
+        assert (proc.returncode, sorted(shown)) == (0, sorted(["a qserve step", *LIBRARY]))
+    elif mode == "raise":
+        assert proc.returncode == 1 and proc.stdout == ""
+        assert shown == [
+            "a qserve step",
+            f"error: RuntimeError: int8_scaled_mm_with_quant: expect A to be bfloat16 or half. (traceback in {log})",
+        ]
+        assert "Traceback (most recent call last)" in log.read_text()
+    else:
+        assert (proc.returncode, shown) == (-6, ["a qserve step"])
