@@ -12,7 +12,7 @@ LIMIT ?= 100
 
 setup:
 	@$(UV) --version >/dev/null 2>&1 || python3 -m pip install --user --quiet uv
-	$(UV) sync --locked --extra cpu
+	$(UV) sync --locked --extra cpu --quiet
 
 # quantize -> eval (gates) -> serve, on the embedded SmolLM2-135M-Instruct, offline; a second
 # `make demo` reuses the checkpoint and its gate and goes straight to serving.

@@ -327,7 +327,7 @@ def markdown(result: dict[str, Any]) -> str:
         ),
     }
     for key, goal in result["goals"].items():
-        ours, theirs = rows.get(key, (f"{key.removesuffix('_vs_bf16')} quantized layers", "bf16"))
+        ours, theirs = rows.get(key, (f"{key.split('_bytes')[0]} quantized Linear layers", "the same layers in bf16"))
         lines.append(f"| {key} | {ours} | {theirs} | {goal['value']} | {goal['goal']} | {'yes' if goal['met'] else 'NO'} |")
     lines += [
         "",

@@ -5,8 +5,10 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -88,7 +90,7 @@ VerifyKeyOpt = Annotated[
 ]
 
 
-def user_errors(fn):
+def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Print QserveError as one line on stderr and exit non-zero; no traceback for user mistakes."""
 
     @functools.wraps(fn)
@@ -117,7 +119,7 @@ def vllm_logs_to_stderr() -> None:
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 
-def library_output(log: Path, verbose: bool):
+def library_output(log: Path, verbose: bool) -> AbstractContextManager[Path]:
     """Libraries' output into `log`; the terminal shows qserve's steps; stdout stays for the result."""
     from qserve.capture import library_output as capture
 
