@@ -37,6 +37,9 @@ def library_output(log_path: Path, verbose: bool = False) -> Iterator[Path]:
     traceback and becomes one QserveError line naming the log; any failure prints the log's path.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    # vLLM logs to stdout by default, through a handler bound at import: after this block stdout is
+    # the result's again, so vLLM (and children, who inherit it) must log to stderr.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     sys.stdout.flush()
     sys.stderr.flush()
     saved_out, saved_err = os.dup(1), os.dup(2)

@@ -20,7 +20,6 @@ def quantize_logged(recipe: Path, verbose: bool = False, **options: Any) -> Path
     """`qserve quantize`: the libraries' output goes to CKPT/logs/quantize.log (the cache's logs/ on failure)."""
     from qserve.quantize.pipeline import quantize
 
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     log = paths.cache_dir() / "logs" / f"quantize-{os.getpid()}.log"  # the checkpoint does not exist yet
     with library_output(log, verbose):
         result = quantize(recipe, **options)
@@ -34,7 +33,6 @@ def evaluate_logged(checkpoint: Path | None, verbose: bool = False, **options: A
     from qserve.evaluate.evaluation import evaluate
 
     ckpt = resolve_checkpoint(checkpoint)
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     with library_output(paths.log_file(ckpt, "eval"), verbose), bounded_in_process_stop():
         return evaluate(ckpt, **options)
 

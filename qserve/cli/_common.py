@@ -6,12 +6,12 @@ import functools
 import os
 import sys
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from qserve.capture import library_output  # noqa: F401  (the commands' log capture)
 from qserve.errors import EXIT_ERROR, EXIT_GATE_FAILED, EXIT_GATE_INCONCLUSIVE, QserveError, Stopped
 
 ModelOpt = Annotated[
@@ -117,14 +117,6 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
 def vllm_logs_to_stderr() -> None:
     """vLLM logs to stdout by default; qserve keeps stdout for results (children inherit this)."""
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-
-
-def library_output(log: Path, verbose: bool) -> AbstractContextManager[Path]:
-    """Libraries' output into `log`; the terminal shows qserve's steps; stdout stays for the result."""
-    from qserve.capture import library_output as capture
-
-    vllm_logs_to_stderr()
-    return capture(log, verbose)
 
 
 def verdict_exit(summary: dict) -> int:
