@@ -12,21 +12,22 @@ from qserve.checkpoint.schemes import SCHEMES
 from qserve.device import detect, engine
 from qserve.evaluate import parity
 
-PROMPTS = ["The capital of France is"]
-
 
 def _parity(
     ckpt: Path, overrides: dict | None = None, prompts: int = len(parity.PROMPTS), max_tokens: int = parity.MAX_TOKENS
 ) -> dict:
-    """qserve's engine parity check on a real checkpoint, optionally with a changed engine setting."""
+    """qserve's engine parity check on a real checkpoint, optionally with a changed engine setting;
+    "first_token" is vLLM's greedy answer to parity's first prompt ("The capital of France is")."""
     manifest = read_manifest(ckpt)
     device = detect.detect_device()
     with engine.open_engine(ckpt, manifest.vllm_args, device, ckpt.name, overrides) as lm:
         assert lm.model.llm_engine.model_config.quantization == "compressed-tensors"
         assert str(lm.model.llm_engine.model_config.dtype) == f"torch.{manifest.vllm_args.dtype}"
         generations = parity.vllm_generations(lm, parity.PROMPTS[:prompts], max_tokens)
+        first = lm.model.get_tokenizer().decode(generations[0].token_ids[:1])
     assert all(g.token_ids for g in generations)
-    return parity.compare_with_transformers(ckpt, generations, parity.tolerance_for(SCHEMES[manifest.scheme].activations))
+    tolerance = parity.tolerance_for(SCHEMES[manifest.scheme].activations)
+    return parity.compare_with_transformers(ckpt, generations, tolerance) | {"first_token": first}
 
 
 @pytest.mark.slow
@@ -55,9 +56,7 @@ def test_activation_quantized_checkpoints_match_transformers(checkpoints, name: 
     result = _parity(checkpoints[name], **(FP8_PARITY if name in FP8_RECIPES else {}))
     assert result["status"] == "pass", result
     assert result["tolerance"]["max_mean_abs_logprob_diff"] == parity.TOLERANCES["activation"].max_mean_abs_logprob_diff
-    ckpt = checkpoints[name]
-    with engine.open_engine(ckpt, read_manifest(ckpt).vllm_args, detect.detect_device(), name) as lm:
-        assert engine.greedy_generate(lm, PROMPTS, 1)[0] == " Paris"
+    assert parity.PROMPTS[0] == "The capital of France is" and result["first_token"] == " Paris"
 
 
 @pytest.fixture(scope="session")

@@ -131,12 +131,7 @@ def test_eval_gate_fails_on_cached_baseline(passed_eval, checkpoints, tmp_path: 
     assert gate["baseline"] == {g["task"]: g for g in passed_eval[1]["gates"]}["gsm8k_ppl"]["baseline"]
     assert summary["verdict"] == "fail" and gate["status"] == "fail" and gate["recovery"] < 0.95
     assert summary["parity"]["status"] == "pass"  # the engine is faithful: this is quantization error
-    # ... and the same numbers pass a gate set well below them: the decision follows the threshold.
-    low = f"gsm8k_ppl={gate['recovery'] * 0.85:.3f}"
-    proc = run_qserve("eval", ckpt, "--tasks", "gsm8k_ppl", "--limit", str(DEMO_LIMIT), "--gate", low, "--no-parity")
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    again = json.loads((ckpt / EVAL_NAME).read_text())
-    assert again["gates"][0]["recovery"] == pytest.approx(gate["recovery"]) and again["parity"]["status"] == "skipped"
+    # (That the same numbers pass a gate set below them is test_gates' subject, without an engine.)
 
 
 @pytest.mark.slow

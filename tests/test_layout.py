@@ -20,7 +20,8 @@ ALLOWED = {
     "evaluate": {"base", "checkpoint", "device", "evaluate"},
     "quantize": {"base", "checkpoint", "device", "evaluate", "quantize"},  # evaluate: the recipe's gate schema
     "serve": {"base", "checkpoint", "device", "serve"},
-    "tools": {"base", "checkpoint", "device", "evaluate", "quantize", "serve", "tools"},
+    "tune": {"base", "checkpoint", "device", "evaluate", "quantize", "tune"},
+    "tools": {"base", "checkpoint", "device", "evaluate", "quantize", "serve", "tune", "tools"},
 }
 
 
@@ -83,7 +84,7 @@ def test_no_import_cycles() -> None:
 
 def test_the_folders_name_the_parts() -> None:
     folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
-    assert folders == {"checkpoint", "device", "evaluate", "quantize", "serve", "cli"}
+    assert folders == {"checkpoint", "device", "evaluate", "quantize", "serve", "tune", "cli"}
     flat = {p.stem for p in PACKAGE.glob("*.py")}
     assert flat | {"cli"} == BASE | TOOLS
 

@@ -26,6 +26,7 @@ EXPECTED = {
     "fp8": ("FP8_DYNAMIC", "compressed-tensors", "auto"),
     "fp8-static": ("FP8", "compressed-tensors", "auto"),
     "w8a8-int8": ("W8A8", "compressed-tensors", "auto"),
+    "smollm2-tuned": ("W8A8+W4A16", "compressed-tensors", "auto"),
     "w4a16-gptq": ("W4A16", "compressed-tensors", "auto"),
     "w4a16-awq": ("W4A16", "compressed-tensors", "auto"),
     "w4a16-fp8kv": ("W4A16", "compressed-tensors", "fp8"),
@@ -36,13 +37,13 @@ EXPECTED = {
     "quark-mxfp4": ("MXFP4", "quark", "auto"),
 }
 # The recipes that calibrate (the others are data-free, including the plain FP8-dynamic one).
-CALIBRATED = {"fp8-static", "w8a8-int8", "w4a16-gptq", "w4a16-awq", "w4a16-fp8kv", "quark-fp8-kv"}
+CALIBRATED = {"fp8-static", "w8a8-int8", "smollm2-tuned", "w4a16-gptq", "w4a16-awq", "w4a16-fp8kv", "quark-fp8-kv"}
 # Parity for the older recipes is in test_engine; w4a16-fp8kv's in test_eval_checks_the_fp8_kv_scales_arrived.
 # The plain-recipe FP8_DYNAMIC checkpoint records the same (method, scheme) as `fp8`, whose parity
 # test_engine checks; it is only quantized here (FP8 decodes at ~30 s a token on this CPU).
 RUNNABLE_NEW = ["w4a16-awq", "quark-w4a16"]
 # Runnable matrix entries are proven by parity tests (vLLM loads them and matches transformers):
-PARITY_TESTED = ["fp8", "llmcompressor-fp8-dynamic", "w8a8-int8", "w4a16-gptq", "w4a16-fp8kv", *RUNNABLE_NEW]
+PARITY_TESTED = ["fp8", "llmcompressor-fp8-dynamic", "w8a8-int8", "smollm2-tuned", "w4a16-gptq", "w4a16-fp8kv", *RUNNABLE_NEW]
 # the others by a probe that must see vLLM fail (plus one runnable, so the probe is seen to pass too).
 NOT_RUNNABLE = ["fp8-static", "mxfp4", "quark-fp8-kv", "quark-mxfp4"]
 PROBED = [*NOT_RUNNABLE, "quark-w4a16"]

@@ -8,7 +8,7 @@ from typing import Any
 from qserve.checkpoint.card import vllm_serve_command
 from qserve.checkpoint.manifest import manifest_digest, read_manifest, verify_files
 from qserve.checkpoint.records import read_eval
-from qserve.checkpoint.tensors import parameter_count, weight_bytes
+from qserve.checkpoint.tensors import parameter_count, quantized_layer_bytes, weight_bytes
 from qserve.errors import QserveError
 
 
@@ -48,6 +48,7 @@ def inspect_checkpoint(checkpoint: str | Path) -> dict[str, Any]:
         "bf16_size_bytes": bf16,
         "size_vs_baseline": round(size / base_size, 4) if base_size else None,
         "size_vs_bf16": round(size / bf16, 4) if bf16 else None,
+        "quantized_layers": quantized_layer_bytes(ckpt),
         "vllm_args": manifest.vllm_args.model_dump(),
         "vllm_serve": vllm_serve_command(ckpt, manifest),
         "integrity": integrity,
@@ -71,13 +72,14 @@ def format_inspection(info: dict[str, Any]) -> str:
     def mib(n: int | None) -> str:
         return "unknown" if n is None else f"{n / 2**20:.1f} MiB"
 
-    g = info["gate"]
+    g, q = info["gate"], info["quantized_layers"]
     lines = [
         f"checkpoint:   {info['checkpoint']}",
         f"scheme:       {info['scheme']} (recipe {info['recipe']}, from {info['source_model']}, made {info['created_at']})",
         f"size:         {mib(info['size_bytes'])}; baseline on disk {mib(info['baseline_size_bytes'])}"
         + (f" ({info['size_vs_baseline']:.2f}x)" if info["size_vs_baseline"] else "")
         + (f"; vs bf16 {mib(info['bf16_size_bytes'])} ({info['size_vs_bf16']:.2f}x)" if info["size_vs_bf16"] else ""),
+        f"quantized:    {q['layers']} layers, {q['ratio']:.3f}x their bf16 bytes (weights, scales, zero points)",
         f"vLLM args:    {' '.join(f'{k}={v}' for k, v in info['vllm_args'].items())}",
         f"serve:        {' '.join(info['vllm_serve'])}",
         f"integrity:    {info['integrity']}",

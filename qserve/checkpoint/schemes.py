@@ -59,8 +59,30 @@ SCHEMES: dict[str, Scheme] = {
             "OCP MXFP4 weights, 16-bit activations",
             {"llmcompressor": "MXFP4A16"},
         ),
+        # Per-layer mixes (a recipe's `overrides`, what `qserve tune` writes): one compressed-tensors
+        # checkpoint with a config group per scheme, loaded by vLLM with one `quantization` argument.
+        # Only mixes vLLM was seen to run go here (device/support.py). bfloat16: the INT8 layers'
+        # AMX kernel takes no other dtype, and the INT4 layers' CPUWNA16 kernel takes it.
+        Scheme(
+            "W8A8+W4A16", 4, "int8", False, True, "bfloat16",
+            "INT8 W8A8 layers and INT4 W4A16 layers (in groups) in one checkpoint",
+            {"llmcompressor": "W8A8+W4A16"},
+        ),
     )
 }  # fmt: skip
+MIX_SEPARATOR = "+"
+
+
+def mix_name(schemes: list[str]) -> str:
+    """The name of a per-layer mix of `schemes` (in SCHEMES' order, so the recipe's order does not matter)."""
+    order = list(SCHEMES)
+    unique = sorted(set(schemes), key=order.index)
+    return MIX_SEPARATOR.join(unique)
+
+
+def parts_of(name: str) -> list[str]:
+    """The plain schemes a (possibly mixed) scheme is made of."""
+    return name.split(MIX_SEPARATOR)
 
 
 def get_scheme(name: str, backend: str | None = None) -> Scheme:
@@ -85,7 +107,15 @@ def scheme_of_checkpoint(quantization_config: dict[str, Any]) -> str | None:
     groups = list((quantization_config.get("config_groups") or {}).values())
     if not groups:
         return None
-    w, a = groups[0].get("weights") or {}, groups[0].get("input_activations")
+    found = [_scheme_of_group(g) for g in groups]
+    if None in found:
+        return None
+    name = mix_name(found)
+    return name if name in SCHEMES else None
+
+
+def _scheme_of_group(group: dict[str, Any]) -> str | None:
+    w, a = group.get("weights") or {}, group.get("input_activations")
     kind = (w.get("type"), w.get("num_bits"), a and a.get("type"), a and a.get("num_bits"))
     if kind == ("float", 8, "float", 8):
         return "FP8_DYNAMIC" if a.get("dynamic") else "FP8"

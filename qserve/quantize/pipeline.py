@@ -220,20 +220,23 @@ class _terminate_as_interrupt:
 
 
 def check_shapes(model_path: Path, recipe: Recipe, trust_remote_code: bool = False) -> None:
-    """Fail before calibrating when the recipe cannot apply to the model's layers."""
-    if recipe.scheme is None or (recipe.group_size is None and not SCHEMES[recipe.scheme].group_quantized):
+    """Fail before calibrating when the recipe cannot apply to the model's layers. An override's
+    group size is checked against every layer too: cheap, and its targets are usually regexes."""
+    if recipe.scheme is None:
         return
-    group = recipe.group_size or _preset_group_size(recipe.scheme)
-    if group is None:
+    wanted = [(recipe.scheme, recipe.group_size), *((o.scheme, o.group_size) for o in recipe.overrides)]
+    groups = {g or _preset_group_size(s) for s, g in wanted if g is not None or SCHEMES[s].group_quantized} - {None}
+    if not groups:
         return
     dims = linear_input_dims(model_path, recipe.ignore, trust_remote_code)
-    bad = {name: d for name, d in dims.items() if d % group}
-    if not bad:
-        return
-    fits = [g for g in CANDIDATE_GROUP_SIZES if all(d % g == 0 for d in dims.values())]
-    layers = ", ".join(f"{name} (input dim {d})" for name, d in sorted(bad.items()))
-    advice = f"set group_size to {' or '.join(map(str, fits))}" if fits else "add these layers to ignore"
-    raise QserveError(f"group_size {group} does not divide the input dim of {layers}; {advice} in the recipe")
+    for group in sorted(groups):
+        bad = {name: d for name, d in dims.items() if d % group}
+        if not bad:
+            continue
+        fits = [g for g in CANDIDATE_GROUP_SIZES if all(d % g == 0 for d in dims.values())]
+        layers = ", ".join(f"{name} (input dim {d})" for name, d in sorted(bad.items()))
+        advice = f"set group_size to {' or '.join(map(str, fits))}" if fits else "add these layers to ignore"
+        raise QserveError(f"group_size {group} does not divide the input dim of {layers}; {advice} in the recipe")
 
 
 def _preset_group_size(scheme: str) -> int | None:

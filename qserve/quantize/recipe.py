@@ -9,7 +9,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from qserve.checkpoint.schemes import QUARK_GROUP_SIZES, SCHEMES, get_scheme
+from qserve.checkpoint.schemes import MIX_SEPARATOR, QUARK_GROUP_SIZES, SCHEMES, get_scheme, mix_name
 from qserve.errors import InvalidSpec, QserveError
 from qserve.evaluate.gates import GateSpec
 from qserve.paths import project_data
@@ -100,6 +100,22 @@ class KvCacheSpec(_Strict):
     dtype: Literal["fp8"] = Field(description="vLLM kv_cache_dtype the checkpoint will need")
 
 
+class LayerOverride(_Strict):
+    """Layers quantized with another scheme than the recipe's (compressed-tensors config group targets)."""
+
+    scheme: str = Field(description="a plain scheme, e.g. W4A16")
+    group_size: int | None = Field(None, gt=0, description="override the preset's weight group size")
+    targets: list[str] = Field(min_length=1, description="layer names or `re:` regexes (compressed-tensors targets)")
+
+    @field_validator("scheme")
+    @classmethod
+    def _plain_scheme(cls, v: str) -> str:
+        name = get_scheme(v, "llmcompressor").name
+        if MIX_SEPARATOR in name:
+            raise InvalidSpec(f"an override names one plain scheme, not the mix {name}")
+        return name
+
+
 # Calibration for llm-compressor modifiers that need data but came without any (plain recipes).
 DEFAULT_CALIBRATION = {"source": "gsm8k-train", "samples": 32, "seq_len": DEFAULT_SEQ_LEN}
 
@@ -121,6 +137,9 @@ class Recipe(_Strict):
     group_size: int | None = Field(None, gt=0, description="override the preset's weight group size")
     smoothquant: float | None = Field(None, gt=0, lt=1, description="SmoothQuant strength before quantizing")
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
+    overrides: list[LayerOverride] = Field(
+        default_factory=list, description="layers quantized with another scheme (a per-layer mix; llmcompressor only)"
+    )
     calibration: CalibrationSpec | None = None
     kv_cache: KvCacheSpec | None = None
     gates: dict[str, list[GateSpec]] = Field(
@@ -130,6 +149,13 @@ class Recipe(_Strict):
     dtype: Literal["auto", "float16", "bfloat16", "float32"] | None = Field(
         None, description="vLLM dtype to record; default chosen per scheme and device"
     )
+
+    @property
+    def target_scheme(self) -> str | None:
+        """The scheme the checkpoint will hold: the recipe's, or the mix of it with its overrides."""
+        if self.scheme is None or not self.overrides:
+            return self.scheme
+        return mix_name([self.scheme, *(o.scheme for o in self.overrides)])
 
     @property
     def seq_len(self) -> int:
@@ -161,6 +187,9 @@ class Recipe(_Strict):
                 raise InvalidSpec("modifiers are llm-compressor's; they need backend: llmcompressor")
             return self
         scheme = get_scheme(self.scheme, self.backend)
+        if MIX_SEPARATOR in scheme.name:
+            raise InvalidSpec(f"{scheme.name} is a per-layer mix: give one scheme and list the other's layers under overrides")
+        self._check_overrides()
         if self.backend == "quark" and (self.algorithm != "rtn" or self.smoothquant or self.algorithm_options):
             raise InvalidSpec(
                 "with backend quark, qserve runs Quark's plain (rtn) quantization: drop algorithm, algorithm_options, smoothquant"
@@ -172,6 +201,21 @@ class Recipe(_Strict):
         if self.algorithm == "awq" and scheme.activations != "fp16":
             raise InvalidSpec(f"awq protects weight-only schemes; {self.scheme} quantizes activations too")
         return self
+
+    def _check_overrides(self) -> None:
+        if not self.overrides:
+            return
+        if self.backend != "llmcompressor":
+            raise InvalidSpec("overrides (per-layer schemes) need backend: llmcompressor")
+        if self.kv_cache is not None:
+            raise InvalidSpec("overrides and kv_cache together were never run on vLLM by qserve; drop one")
+        mix = self.target_scheme
+        if mix not in SCHEMES:
+            known = [n for n in SCHEMES if MIX_SEPARATOR in n]
+            raise InvalidSpec(f"the mix {mix} was never run on vLLM by qserve; known mixes: {', '.join(known)}")
+        for o in self.overrides:
+            if o.group_size is not None and not SCHEMES[o.scheme].group_quantized:
+                raise InvalidSpec(f"group_size does not apply to {o.scheme} (fixed or per-channel groups)")
 
     @model_validator(mode="after")
     def _has_data(self) -> Recipe:
@@ -189,7 +233,7 @@ class Recipe(_Strict):
     @property
     def label(self) -> str:
         """What the recipe does, for progress lines."""
-        what = self.scheme or "llm-compressor modifiers"
+        what = self.target_scheme or "llm-compressor modifiers"
         return f"{what} with {self.backend}" + (f" ({self.algorithm})" if self.scheme else "")
 
 
@@ -255,9 +299,8 @@ def _model_at(loc: list) -> type[BaseModel]:
         return Recipe
     if parents[0] == "gates":
         return GateSpec
-    return {"generate": GenerateSpec, "mix": DataSource, "calibration": CalibrationSpec, "kv_cache": KvCacheSpec}.get(
-        parents[-1], Recipe
-    )
+    named = {"generate": GenerateSpec, "mix": DataSource, "calibration": CalibrationSpec, "kv_cache": KvCacheSpec}
+    return {**named, "overrides": LayerOverride}.get(parents[-1], Recipe)
 
 
 def _line_of(node: yaml.Node | None, loc: list) -> int | None:

@@ -17,16 +17,13 @@ def build_modifiers(recipe: Recipe) -> Any:
     """The llm-compressor modifiers a qserve recipe stands for (a plain recipe's own, as YAML)."""
     if recipe.modifiers is not None:
         return _checked_plain_recipe(recipe.modifiers)
-    from compressed_tensors.quantization import QuantizationArgs, preset_name_to_scheme
+    from compressed_tensors.quantization import QuantizationArgs
     from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from llmcompressor.modifiers.transform import AWQModifier
     from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
 
-    scheme = preset_name_to_scheme(SCHEMES[recipe.scheme].backends["llmcompressor"], ["Linear"])
-    if recipe.group_size is not None:
-        scheme.weights.group_size = recipe.group_size
-    quant: dict[str, Any] = {"config_groups": {"group_0": scheme}, "ignore": list(recipe.ignore)}
+    quant: dict[str, Any] = {"config_groups": config_groups(recipe), "ignore": list(recipe.ignore)}
     if recipe.kv_cache is not None:
         # Static per-tensor FP8 k/v scales, observed on the calibration data: vLLM's k_scale/v_scale.
         quant["kv_cache_scheme"] = QuantizationArgs(num_bits=8, type="float", strategy="tensor", dynamic=False, symmetric=True)
@@ -43,6 +40,24 @@ def build_modifiers(recipe: Recipe) -> Any:
     except (TypeError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
         raise QserveError(f"algorithm_options for {recipe.algorithm}: {_first_line(exc)}") from None
     return modifiers
+
+
+def config_groups(recipe: Recipe) -> dict[str, Any]:
+    """compressed-tensors config groups: the recipe's scheme on every Linear, and one group per
+    override; a layer named by an override's regex takes that group (a name match beats the class
+    match, in compressed-tensors and in vLLM alike)."""
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    def group(scheme: str, group_size: int | None, targets: list[str]) -> Any:
+        preset = preset_name_to_scheme(SCHEMES[scheme].backends["llmcompressor"], targets)
+        if group_size is not None:
+            preset.weights.group_size = group_size
+        return preset
+
+    groups = {"group_0": group(recipe.scheme, recipe.group_size, ["Linear"])}
+    for i, o in enumerate(recipe.overrides, start=1):
+        groups[f"group_{i}"] = group(o.scheme, o.group_size, list(o.targets))
+    return groups
 
 
 def _first_line(exc: Exception) -> str:
@@ -133,6 +148,6 @@ def exported_scheme(out_dir: Path, recipe: Recipe) -> str:
         raise QserveError(
             f"the recipe produced a quantization qserve cannot match to vLLM arguments; supported schemes: {', '.join(SCHEMES)}"
         )
-    if recipe.scheme is not None and found != recipe.scheme:
-        raise QserveError(f"llm-compressor wrote a {found} checkpoint, but the recipe asked for {recipe.scheme}")
+    if recipe.scheme is not None and found != recipe.target_scheme:
+        raise QserveError(f"llm-compressor wrote a {found} checkpoint, but the recipe asked for {recipe.target_scheme}")
     return found
