@@ -255,13 +255,13 @@ def linear_input_dims(model_path: Path, ignore: list[str], trust_remote_code: bo
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     dims: dict[str, int] = {}
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and not _ignored(name, ignore):
+        if isinstance(module, torch.nn.Linear) and not is_ignored(name, ignore):
             key = re.sub(r"\.\d+\.", ".*.", name)
             dims[key] = module.in_features
     return dims
 
 
-def _ignored(name: str, ignore: list[str]) -> bool:
+def is_ignored(name: str, ignore: list[str]) -> bool:
     for pattern in ignore:
         if pattern.startswith("re:"):
             if re.match(pattern[3:], name):

@@ -30,10 +30,12 @@ def layer_groups(model: Any, ignore: list[str]) -> list[LayerGroup]:
     """The model's decoder-block Linear layers grouped by (block, submodule), in model order."""
     import torch
 
+    from qserve.quantize.pipeline import is_ignored
+
     found: dict[tuple[int, str], list[tuple[str, int]]] = {}
     for name, module in model.named_modules():
         m = BLOCK.match(name)
-        if isinstance(module, torch.nn.Linear) and m and not any(name.endswith(i) for i in ignore):
+        if isinstance(module, torch.nn.Linear) and m and not is_ignored(name, ignore):
             found.setdefault((int(m["block"]), m["kind"]), []).append((name, module.weight.numel()))
     return [
         LayerGroup(block, kind, tuple(n for n, _ in members), sum(p for _, p in members))
