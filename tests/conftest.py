@@ -66,6 +66,28 @@ def embedded_model_dir() -> Path:
     return resolve_model(None).path
 
 
+def write_tiny_llama(directory: Path, tokenizer_dir: Path, layers: int = 2, hidden: int = 64) -> Path:
+    """A random-initialised Llama (seed 0) with the embedded model's tokenizer: seconds to quantize,
+    for tests whose subject is not the model's quality."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, torch_dtype="bfloat16",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tokenizer_dir / name, directory / name)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, embedded_model_dir) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama", embedded_model_dir)
+
+
 @pytest.fixture(scope="session")
 def checkpoints(request, tmp_path_factory, embedded_model_dir) -> dict[str, Path]:
     """Lazily quantize each shipped recipe once per session through the CLI (the demo's recipe

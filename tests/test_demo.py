@@ -95,8 +95,8 @@ def test_quantize_reproduces_bit_exact(demo_run: DemoRun) -> None:
 
 
 @pytest.mark.slow
-def test_reproduce_names_what_differs(tmp_path: Path) -> None:
-    """A small GPTQ checkpoint calibrated on 100 GSM8K lines, re-run on 100 other lines: the weights differ."""
+def test_reproduce_names_what_differs(tiny_model: Path, tmp_path: Path) -> None:
+    """A GPTQ checkpoint of a tiny model calibrated on 100 GSM8K lines, re-run on 100 other lines: the weights differ."""
     for name, lines in (("a", slice(0, 100)), ("b", slice(100, 200))):
         (tmp_path / name / "gsm8k").mkdir(parents=True)
         rows = (DATA_DIR / "gsm8k" / "train.jsonl").read_text().splitlines()[lines]
@@ -107,7 +107,7 @@ def test_reproduce_names_what_differs(tmp_path: Path) -> None:
         "calibration: {source: gsm8k-train, samples: 4, seq_len: 64}\n"
     )
     ckpt = tmp_path / "ckpt"
-    proc = run_qserve("quantize", recipe, "--output", ckpt, "--data-dir", tmp_path / "a")
+    proc = run_qserve("quantize", recipe, "--model", tiny_model, "--output", ckpt, "--data-dir", tmp_path / "a")
     assert proc.returncode == 0, proc.stderr[-3000:]
     proc = run_qserve("reproduce", ckpt, "--data-dir", tmp_path / "b", "--json")
     assert proc.returncode == 3, proc.stderr[-3000:]
