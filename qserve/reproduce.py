@@ -28,12 +28,16 @@ def reproduce(checkpoint: str | Path, data_dir: str | Path | None = None, keep: 
     scratch = Path(tempfile.mkdtemp(prefix="reproduce-", dir=_scratch_root()))
     try:
         recipe = scratch / "recipe.yaml"
-        recipe.write_text(yaml.safe_dump(manifest.recipe, sort_keys=False))
+        execution = manifest.execution or {}
+        recorded = manifest.recipe | (
+            {"execution": execution["path"]} if execution.get("path") in ("in_memory", "model_free") else {}
+        )
+        recipe.write_text(yaml.safe_dump(recorded, sort_keys=False))
         out = keep or scratch / ckpt.resolve().name
         info(f"re-running {ckpt}'s recipe into {out}")
         again = quantize(
             recipe, model=_recorded_model(manifest), output=out, data_dir=data_dir, force=keep is not None and keep.exists(),
-            trust_remote_code=manifest.vllm_args.trust_remote_code, remember=False,
+            trust_remote_code=manifest.vllm_args.trust_remote_code, remember=False, nproc=execution.get("nproc", 1),
         ).manifest  # fmt: skip
         return compare(ckpt, manifest, out, again)
     finally:

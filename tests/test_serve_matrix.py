@@ -20,10 +20,11 @@ from qserve.evaluate import parity
 SERVABLE = {
     "fp8": ("compressed-tensors", "FP8_DYNAMIC"),
     "w8a8-int8": ("compressed-tensors", "W8A8"),
-    "w4a16-gptq": ("compressed-tensors", "W4A16"),  # (AWQ writes the same format: gptq's run proves the entry)
     "smollm2-tuned": ("compressed-tensors", "W8A8+W4A16"),  # qserve tune's per-layer mix
     "quark-w4a16": ("quark", "W4A16"),
-    "w4a16-fp8kv": ("compressed-tensors", "W4A16"),  # with the FP8 KV cache (support.CPU_KV_CACHE)
+    # W4A16 weights (GPTQ's and AWQ's runs write the same format) with the FP8 KV cache on top
+    # (support.CPU_KV_CACHE): one server start proves both entries.
+    "w4a16-fp8kv": ("compressed-tensors", "W4A16"),
 }
 PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]

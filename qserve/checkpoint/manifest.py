@@ -60,6 +60,9 @@ class Manifest(BaseModel):
     # compares it): torch threads, the device and the ISA its kernels dispatch on, Python, the
     # source model's content hash. Absent in manifests written before it was recorded.
     environment: dict[str, Any] | None = None
+    # How the library ran: in_memory, model_free (shard by shard) or distributed (ranks, samples
+    # and peak RSS per rank). Absent in manifests written before it was recorded.
+    execution: dict[str, Any] | None = None
 
 
 def library_versions() -> dict[str, str]:

@@ -137,3 +137,25 @@ def api_key(value: str | None) -> dict[str, str | None]:
 
 def split(value: str | None) -> list[str] | None:
     return [v.strip() for v in value.split(",") if v.strip()] if value else None
+
+
+TensorParallelOpt = Annotated[
+    int, typer.Option("--tensor-parallel-size", "-tp", min=1, help="vLLM tensor parallelism: GPUs per model replica.")
+]
+PipelineParallelOpt = Annotated[int, typer.Option("--pipeline-parallel-size", "-pp", min=1, help="vLLM pipeline stages.")]
+DataParallelOpt = Annotated[
+    int, typer.Option("--data-parallel-size", "-dp", min=1, help="Engine replicas (lm-eval runs them as Ray actors).")
+]
+ExecutorOpt = Annotated[
+    str | None,
+    typer.Option("--distributed-executor-backend", help="vLLM's executor: mp (one node) or ray (several nodes)."),
+]
+
+
+def parallel_args(tp: int, pp: int, dp: int, backend: str | None) -> dict[str, Any]:
+    """vllm.LLM keywords for the non-default parallel options."""
+    named = {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "data_parallel_size": dp}
+    out: dict[str, Any] = {k: v for k, v in named.items() if v != 1}
+    if backend:
+        out["distributed_executor_backend"] = backend
+    return out

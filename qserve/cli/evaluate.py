@@ -10,13 +10,18 @@ import typer
 
 from qserve.cli._common import (
     DataDirOpt,
+    DataParallelOpt,
+    ExecutorOpt,
     GateOpt,
     JsonOpt,
     LimitOpt,
     ParityOpt,
+    PipelineParallelOpt,
     TasksOpt,
+    TensorParallelOpt,
     VerboseOpt,
     VerifyKeyOpt,
+    parallel_args,
     split,
     user_errors,
     verdict_exit,
@@ -42,6 +47,10 @@ def eval_(
         ),
     ] = None,
     verify_key: VerifyKeyOpt = None,
+    tensor_parallel_size: TensorParallelOpt = 1,
+    pipeline_parallel_size: PipelineParallelOpt = 1,
+    data_parallel_size: DataParallelOpt = 1,
+    distributed_executor_backend: ExecutorOpt = None,
     as_json: JsonOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -57,6 +66,8 @@ def eval_(
     Examples:
       qserve eval out-w8a8-int8 --tasks gsm8k_ppl --limit 100
       qserve eval out-w8a8-int8 --tasks gsm8k_ppl,gsm8k_mc --gate gsm8k_ppl:max_increase=0.03 --json
+      qserve eval out-llama-70b-w4a16 --tasks gsm8k -tp 8
+      qserve eval out-llama-70b-w4a16 --tasks gsm8k -tp 8 -pp 2 --distributed-executor-backend ray
     """
     from qserve.evaluate.gates import parse_cli_gates
     from qserve.evaluate.reports import format_table
@@ -65,6 +76,7 @@ def eval_(
     summary = evaluate_logged(
         checkpoint, verbose, tasks=split(tasks), limit=limit, gates=parse_cli_gates(gate or []), data_dir=data_dir,
         refresh_baseline=refresh_baseline, check_parity=parity, kv_cache_dtype=kv_cache_dtype, verify_key=verify_key,
+        parallel=parallel_args(tensor_parallel_size, pipeline_parallel_size, data_parallel_size, distributed_executor_backend),
     )  # fmt: skip
     typer.echo(json.dumps(summary, indent=2) if as_json else format_table(summary))
     raise typer.Exit(verdict_exit(summary))

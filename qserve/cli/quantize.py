@@ -27,6 +27,13 @@ def quantize(
     data_dir: DataDirOpt = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing output directory.")] = False,
     trust_remote_code: TrustRemoteCodeOpt = False,
+    nproc: Annotated[
+        int, typer.Option("--nproc", min=1, help="Calibrate data-parallel in N processes under torchrun (one per GPU).")
+    ] = 1,
+    nnodes: Annotated[int, typer.Option("--nnodes", min=1, help="Machines taking part (with --rdzv-endpoint).")] = 1,
+    rdzv_endpoint: Annotated[
+        str | None, typer.Option("--rdzv-endpoint", help="HOST:PORT on this machine (node 0) that the other nodes join.")
+    ] = None,
     verbose: VerboseOpt = False,
 ) -> None:
     """Quantize a model with a recipe and export a safetensors checkpoint plus qserve_manifest.json.
@@ -37,16 +44,25 @@ def quantize(
     recipes/ for one of each; the manifest records the vLLM arguments the checkpoint needs. The
     libraries' output goes to OUTPUT/logs/quantize.log; the checkpoint's path is printed on stdout.
 
+    A model too large for memory is quantized shard by shard when the recipe is data-free (recipe
+    field `execution`). --nproc N splits calibration between N torchrun processes; with --nnodes,
+    qserve prints the torchrun command each other machine runs (model, data and output on shared
+    storage).
+
     \b
     Examples:
       qserve quantize recipes/w8a8-int8.yaml
       qserve quantize recipes/w4a16-gptq.yaml --model ./my-model --output out-my-w4a16
+      qserve quantize recipes/w4a16-gptq.yaml --model ./llama-70b --nproc 8
+      qserve quantize recipes/w4a16-gptq.yaml --model /shared/llama-70b --nproc 8 --nnodes 2 --rdzv-endpoint node0:29500
     """
     from qserve.workflow import quantize_logged
 
+    nodes = {"nnodes": nnodes, "rdzv_endpoint": rdzv_endpoint} if nnodes > 1 else {}
     out = quantize_logged(
-        recipe, verbose, model=model, output=output, data_dir=data_dir, force=force, trust_remote_code=trust_remote_code
-    )
+        recipe, verbose, model=model, output=output, data_dir=data_dir, force=force, trust_remote_code=trust_remote_code,
+        nproc=nproc, nodes=nodes,
+    )  # fmt: skip
     typer.echo(str(out))
 
 

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import importlib.metadata
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
 class Device:
     kind: str  # "cpu" or "cuda"
     detail: str
+    # vLLM parallelism qserve's engines use here, as vllm.LLM keywords (tensor_parallel_size, ...).
+    parallel: tuple[tuple[str, Any], ...] = ()
+
+    def with_parallel(self, parallel: dict[str, Any] | None) -> Device:
+        return replace(self, parallel=tuple(sorted((parallel or {}).items())))
 
 
 def detect_device() -> Device:

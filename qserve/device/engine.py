@@ -42,7 +42,10 @@ def engine_kwargs(model_path: Path, args: VllmArgs, device: Device) -> dict[str,
         # Eager mode and an explicit KV cache size skip vLLM-CPU's compile and warm-up
         # passes; the in-process executor skips two interpreter spawns (~90 s -> ~25 s).
         kw.update(enforce_eager=True, kv_cache_memory_bytes=CPU_KV_CACHE_BYTES, distributed_executor_backend="uni")
-    return kw
+    parallel = dict(device.parallel)
+    if parallel.get("tensor_parallel_size", 1) * parallel.get("pipeline_parallel_size", 1) > 1:
+        kw["distributed_executor_backend"] = "mp"  # several workers: the in-process executor holds one
+    return kw | parallel
 
 
 def engine_env(device: Device) -> dict[str, str]:

@@ -64,14 +64,17 @@ def evaluate(
     measure_decode: bool = False,
     kv_cache_dtype: str | None = None,
     verify_key: Path | None = None,
+    parallel: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Evaluate a checkpoint against its (cached) baseline, apply the gates, write the reports.
 
     Where vLLM cannot run the scheme on this device, both sides go through transformers and
     the summary says `emulated: true`. `kv_cache_dtype`, if given, must match the checkpoint; with
-    `verify_key`, the checkpoint must carry a signature by it over exactly its files.
+    `verify_key`, the checkpoint must carry a signature by it over exactly its files. `parallel`:
+    vLLM parallelism for both engines (tensor_parallel_size, pipeline_parallel_size,
+    data_parallel_size (through Ray, as lm-eval runs it), distributed_executor_backend).
     """
-    plan = _plan(checkpoint, tasks, gates, data_dir, kv_cache_dtype, verify_key)
+    plan = _plan(checkpoint, tasks, gates, data_dir, kv_cache_dtype, verify_key, parallel)
     started = time.monotonic()
     base_side = _baseline_side(plan, limit, refresh_baseline)
     quant, parity_result, extra = _quantized_run(
@@ -141,6 +144,7 @@ def _plan(
     data_dir: str | Path | None,
     kv_cache_dtype: str | None,
     verify_key: Path | None = None,
+    parallel: dict[str, Any] | None = None,
 ) -> _Plan:
     """Checks before any engine starts: integrity, flags, tasks and their gates, the device."""
     ckpt = resolve_checkpoint(checkpoint)
@@ -158,7 +162,7 @@ def _plan(
     }
     root = paths.data_dir(data_dir)
     configs = {t.name: lm_eval_config(t, root) for t in task_defs}
-    device = detect.detect_device()
+    device = detect.detect_device().with_parallel(parallel)
     support.check_dtype(manifest, device.kind, device.detail)
     runnable = support.vllm_support(manifest, device.kind)
     if not runnable.runs:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 import os
 import re
-import resource
 import shutil
 import signal
 import tempfile
@@ -23,6 +22,7 @@ from qserve.checkpoint.records import write_text
 from qserve.checkpoint.schemes import SCHEMES
 from qserve.errors import QserveError
 from qserve.progress import info, step
+from qserve.quantize.execution import choose, memory_limit_bytes, offload_budget, peak_rss_mib, shard_count
 from qserve.quantize.recipe import DEFAULT_CALIBRATION, CalibrationSpec, Recipe, load_recipe
 
 CANDIDATE_GROUP_SIZES = (32, 64, 128, 256)
@@ -46,10 +46,13 @@ def quantize(
     force: bool = False,
     trust_remote_code: bool = False,
     remember: bool = True,
+    nproc: int = 1,
+    nodes: dict[str, Any] | None = None,
 ) -> QuantizeResult:
     """Quantize `model` with the recipe and write a checkpoint plus manifest into `output`.
 
-    `remember` makes it the checkpoint `qserve eval` uses when given none.
+    `remember` makes it the checkpoint `qserve eval` uses when given none. `nproc` > 1 calibrates
+    data-parallel under torchrun; `nodes` (nnodes, node_rank, rdzv_endpoint) spans machines.
     """
     recipe, recipe_sha = load_recipe(recipe_path)
     out = Path(output) if output else default_output(recipe)
@@ -59,6 +62,8 @@ def quantize(
     check_output(out, ref.path)
     check_shapes(ref.path, recipe, trust_remote_code)
     recipe = with_default_calibration(recipe)
+    run = choose(recipe, ref.path, nproc, (nodes or {}).get("nnodes", 1))
+    info(f"execution: {run.path} ({run.reason})")
 
     texts, calib_record = None, None
     if recipe.calibration is not None:
@@ -76,7 +81,7 @@ def quantize(
     partial.chmod(0o777 & ~umask)  # mkdtemp's 0700 would make the checkpoint private
     try:
         with _terminate_as_interrupt():
-            manifest = _run(ref, recipe, recipe_path, recipe_sha, texts, calib_record, partial, trust_remote_code)
+            manifest = _run(ref, recipe, (recipe_path, recipe_sha), texts, calib_record, partial, trust_remote_code, run, nodes)
         # The card names the final directory; `qserve eval` rewrites it with results. Not hashed.
         write_text(partial / CARD_NAME, model_card(out, manifest, None))
         publish(partial, out, force)
@@ -124,26 +129,32 @@ def publish(partial: Path, out: Path, force: bool) -> None:
 
 
 def _run(
-    ref: ModelRef, recipe: Recipe, recipe_path, recipe_sha: str, texts, calib_record, partial: Path, trust_remote_code: bool
+    ref: ModelRef, recipe: Recipe, source: tuple, texts, calib_record, partial: Path, trust_remote_code: bool, run, nodes
 ) -> Manifest:
-    backend = backend_module(recipe.backend)
     start = time.monotonic()
     label = f"quantizing {ref.id}: {recipe.label}"
     label += f" on {len(texts)} calibration samples" if texts else " (data-free)"
+    label += f" in {run.nproc} processes" if run.nproc > 1 else " shard by shard" if run.path == "model_free" else ""
     with step(label) as timing:
-        scheme = SCHEMES[backend.quantize(ref.path, recipe, texts, partial, trust_remote_code)]
+        try:
+            name, execution = _execute(ref.path, recipe, texts, partial, trust_remote_code, run, nodes or {})
+        except (MemoryError, RuntimeError, OSError) as exc:
+            if not isinstance(exc, MemoryError) and "allocate memory" not in str(exc):
+                raise
+            raise QserveError(_out_of_memory(run.path, recipe)) from None
+    scheme = SCHEMES[name]
     with step("hashing checkpoint files"):
         files = hash_files(partial)
     manifest = Manifest(
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),
         scheme=scheme.name,
         recipe=recipe.model_dump(),
-        recipe_source={"path": str(Path(recipe_path).resolve()), "sha256": recipe_sha},
+        recipe_source={"path": str(Path(source[0]).resolve()), "sha256": source[1]},
         source_model={"id": ref.id, "path": str(ref.path), "source": ref.source},
         calibration=calib_record,
         versions=library_versions(),
         vllm_args=VllmArgs(
-            quantization=backend.QUANTIZATION_METHOD,
+            quantization=backend_module(recipe.backend).QUANTIZATION_METHOD,
             kv_cache_dtype=recipe.kv_cache.dtype if recipe.kv_cache else "auto",
             dtype=recipe.dtype or scheme.vllm_dtype,
             trust_remote_code=trust_remote_code,
@@ -151,13 +162,60 @@ def _run(
         timings={
             "quantize_seconds": timing["seconds"],
             "total_seconds": round(time.monotonic() - start, 2),
-            "peak_rss_mib": peak_rss_mib(),
+            "peak_rss_mib": max([peak_rss_mib(), *(r["peak_rss_mib"] for r in execution.get("ranks", []))]),
         },
         files=files,
         environment=environment(ref.path),
+        execution=execution,
     )
     write_manifest(partial, manifest)
     return manifest
+
+
+def _offloaded(model_path: Path, recipe: Recipe, texts, out: Path, trust_remote_code: bool) -> str:
+    """oneshot with the weights beyond this machine's memory on disk, in a folder removed afterwards."""
+    from qserve.quantize.backends.llmcompressor import exported_scheme, run_oneshot
+
+    folder = Path(tempfile.mkdtemp(prefix=f".{out.name}.offload-", dir=out.parent))
+    try:
+        offload = {"max_memory": {"cpu": offload_budget()}, "offload_folder": str(folder)}
+        run_oneshot(model_path, recipe, texts, out, trust_remote_code, offload=offload)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return exported_scheme(out, recipe)
+
+
+def _out_of_memory(path: str, recipe: Recipe) -> str:
+    where = {"in_memory": "in memory", "model_free": "shard by shard", "offload": "with offloading"}.get(
+        path, "in the calibration processes"
+    )
+    limit = f"limit {memory_limit_bytes() / 2**30:.1f} GiB available now"
+    if path == "in_memory" and recipe.model_free_obstacle() is None:
+        advice = "this recipe is data-free: set `execution: model_free` (or auto) to quantize one shard at a time"
+    elif path == "in_memory" and recipe.backend == "llmcompressor":
+        advice = "set `execution: offload` (or auto) to keep the weights that do not fit on disk"
+    else:
+        advice = "free memory or use a larger machine"
+    return f"out of memory quantizing {where} ({limit}); {advice}"
+
+
+def _execute(model_path: Path, recipe: Recipe, texts, out: Path, trust_remote_code: bool, run, nodes: dict) -> tuple[str, dict]:
+    """The library call for the chosen execution path; returns the scheme written and the record of how."""
+    record = run.record()
+    if run.path == "model_free":
+        from qserve.quantize.backends.llmcompressor import quantize_model_free
+
+        record["shards"] = shard_count(model_path)
+        return quantize_model_free(model_path, recipe, out), record
+    if run.path == "offload":
+        return _offloaded(model_path, recipe, texts, out, trust_remote_code), record | {"max_memory_cpu": offload_budget()}
+    if run.path == "distributed":
+        from qserve.quantize import distributed
+        from qserve.quantize.backends.llmcompressor import exported_scheme
+
+        record |= distributed.launch(model_path, recipe, texts, out, trust_remote_code, run.nproc, **nodes)
+        return exported_scheme(out, recipe), record
+    return backend_module(recipe.backend).quantize(model_path, recipe, texts, out, trust_remote_code), record
 
 
 def environment(model_path: Path) -> dict[str, Any]:
@@ -175,17 +233,6 @@ def environment(model_path: Path) -> dict[str, Any]:
         "python": platform.python_version(),
         "source_model_sha256": model_digest(model_path),
     }
-
-
-def peak_rss_mib() -> float:
-    """This process's own peak resident memory. VmHWM, not ru_maxrss: on Linux a child's ru_maxrss
-    starts at its parent's peak (qserve run from a 3 GiB test process reported 3393 MiB)."""
-    status = Path("/proc/self/status")
-    if status.is_file():
-        for line in status.read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return round(int(line.split()[1]) / 1024, 1)
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
 def with_default_calibration(recipe: Recipe) -> Recipe:

@@ -149,6 +149,12 @@ class Recipe(_Strict):
     dtype: Literal["auto", "float16", "bfloat16", "float32"] | None = Field(
         None, description="vLLM dtype to record; default chosen per scheme and device"
     )
+    execution: Literal["auto", "in_memory", "model_free", "offload"] = Field(
+        "auto",
+        description="in_memory: load the model, run oneshot; model_free: llm-compressor's model_free_ptq, one "
+        "safetensors shard at a time (data-free recipes only); offload: oneshot with the weights that do not fit "
+        "in memory offloaded to disk (compressed-tensors); auto: in_memory if it fits, else model_free, else offload",
+    )
 
     @property
     def target_scheme(self) -> str | None:
@@ -229,6 +235,24 @@ class Recipe(_Strict):
         if reasons and self.calibration is None:
             raise InvalidSpec(f"{' and '.join(reasons)} need a calibration section")
         return self
+
+    @model_validator(mode="after")
+    def _model_free_possible(self) -> Recipe:
+        if self.execution == "model_free" and (why := self.model_free_obstacle()):
+            raise InvalidSpec(f"execution model_free quantizes weights shard by shard without data; {why}")
+        if self.execution == "offload" and self.backend != "llmcompressor":
+            raise InvalidSpec("execution offload is compressed-tensors' disk offloading; it needs backend: llmcompressor")
+        return self
+
+    def model_free_obstacle(self) -> str | None:
+        """Why llm-compressor's model_free_ptq cannot run this recipe (None: it can)."""
+        if self.backend != "llmcompressor" or self.scheme is None:
+            return "it needs backend llmcompressor and a scheme (not modifiers)"
+        if self.calibration is not None or self.kv_cache is not None or self.smoothquant is not None:
+            return "drop calibration, kv_cache and smoothquant (they need data), or use execution in_memory"
+        if self.overrides:
+            return "overrides are not supported there; use execution in_memory"
+        return None
 
     @property
     def label(self) -> str:

@@ -103,14 +103,31 @@ def modifiers_need_data(modifiers: dict[str, Any]) -> bool:
 
 def quantize(model_path: Path, recipe: Recipe, texts: list[str] | None, out_dir: Path, trust_remote_code: bool = False) -> str:
     """Run oneshot on the model, save the compressed checkpoint to out_dir; returns the scheme it holds."""
+    run_oneshot(model_path, recipe, texts, out_dir, trust_remote_code)
+    return exported_scheme(out_dir, recipe)
+
+
+def run_oneshot(
+    model_path: Path,
+    recipe: Recipe,
+    texts: list[str] | None,
+    out_dir: Path,
+    trust_remote_code: bool,
+    distributed: bool = False,
+    offload: dict[str, Any] | None = None,
+) -> None:
+    """oneshot and save. `distributed`: one rank of several (texts: its share); the model is loaded
+    through compressed-tensors' offloading, which keeps one copy of the weights shared by the ranks,
+    and saving is collective (every rank calls it, rank 0 writes). `offload`: {max_memory,
+    offload_folder} for one process whose model does not fit in memory."""
     from llmcompressor import oneshot
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from qserve.quantize.calibration import tokenized_dataset
 
     modifiers = build_modifiers(recipe)
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype="auto", trust_remote_code=trust_remote_code)
+    model = _load_model(model_path, trust_remote_code, distributed, offload)
     kwargs: dict[str, Any] = {}
     if texts:
         seq_len = recipe.seq_len
@@ -126,8 +143,60 @@ def quantize(model_path: Path, recipe: Recipe, texts: list[str] | None, out_dir:
     _no_pinned_memory_without_accelerator()
     oneshot(model=model, recipe=modifiers, **kwargs)
     model.save_pretrained(out_dir, save_compressed=True)
-    tokenizer.save_pretrained(out_dir)
+    if not distributed or _rank() == 0:
+        tokenizer.save_pretrained(out_dir)
+
+
+def _load_model(model_path: Path, trust_remote_code: bool, distributed: bool, offload: dict[str, Any] | None) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    if not distributed and offload is None:
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype="auto", trust_remote_code=trust_remote_code)
+    from compressed_tensors.offload import load_offloaded_model
+
+    # Distributed: without it each rank quantizes a private copy, and llm-compressor (which skips
+    # broadcasting CPU-resident weights, expecting them shared) never sees the other ranks' updates.
+    # "auto_offload": CPU first, then disk; never an accelerator query, which fails on a CPU machine.
+    with load_offloaded_model():
+        return AutoModelForCausalLM.from_pretrained(
+            model_path, dtype="auto", device_map="auto_offload", trust_remote_code=trust_remote_code, **(offload or {})
+        )
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+def quantize_model_free(model_path: Path, recipe: Recipe, out_dir: Path) -> str:
+    """llm-compressor's model_free_ptq: one safetensors shard at a time, no model definition loaded."""
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
+    from llmcompressor.entrypoints.model_free import model_free_ptq
+
+    # Without a model definition, "Linear" matches every 2-D weight: name the others (embeddings).
+    ignore = list(recipe.ignore) + non_linear_weights(model_path)
+    config = QuantizationConfig(
+        config_groups=config_groups(recipe), ignore=ignore, quantization_status=QuantizationStatus.INITIALIZED
+    )
+    model_free_ptq(model_path, out_dir, config=config, max_workers=1, device="cpu")
     return exported_scheme(out_dir, recipe)
+
+
+def non_linear_weights(model_path: Path) -> list[str]:
+    """Modules with a weight that are not Linear layers, from the model's config on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    return [
+        name
+        for name, module in model.named_modules()
+        if not isinstance(module, torch.nn.Linear)
+        and isinstance(getattr(module, "weight", None), torch.Tensor)
+        and module.weight.dim() == 2
+    ]
 
 
 def _no_pinned_memory_without_accelerator() -> None:

@@ -1,0 +1,119 @@
+"""How a recipe runs on this machine: in memory, shard by shard (model-free), or data-parallel
+under torchrun; and the memory this process may use, which `auto` decides on."""
+
+from __future__ import annotations
+
+import json
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+
+from qserve.errors import QserveError
+from qserve.quantize.recipe import Recipe
+
+# Loading a model and writing its compressed copy holds about twice its weights, plus the libraries.
+IN_MEMORY_FACTOR = 2.0
+LIBRARY_HEADROOM = 2 << 30
+
+
+@dataclass(frozen=True)
+class Execution:
+    path: str  # "in_memory", "model_free", "offload" or "distributed"
+    reason: str
+    nproc: int = 1
+
+    def record(self) -> dict:
+        return {"path": self.path, "reason": self.reason, "nproc": self.nproc}
+
+
+def choose(recipe: Recipe, model_path: Path, nproc: int = 1, nnodes: int = 1) -> Execution:
+    """The recipe's `execution`, or for `auto` the path that fits this process's memory."""
+    if nproc * nnodes > 1:
+        return _distributed(recipe, nproc)
+    if recipe.execution != "auto":
+        return Execution(recipe.execution, "the recipe's execution")
+    weights, limit = weight_bytes(model_path), memory_limit_bytes()
+    needed = IN_MEMORY_FACTOR * weights + LIBRARY_HEADROOM
+    sizes = f"{weights / 2**30:.1f} GiB of weights, {limit / 2**30:.1f} GiB of memory available"
+    if needed <= limit:
+        return Execution("in_memory", f"auto: fits ({sizes})")
+    if recipe.model_free_obstacle() is None:
+        return Execution("model_free", f"auto: too large to load ({sizes}); shard by shard")
+    if recipe.backend != "llmcompressor":
+        raise QserveError(f"the model needs about {needed / 2**30:.1f} GiB to quantize ({sizes}); Quark loads it whole")
+    return Execution("offload", f"auto: too large to load ({sizes}); weights beyond memory offloaded to disk")
+
+
+def offload_budget() -> int:
+    """CPU memory the offloaded weights may take: what is available minus the libraries' share."""
+    return max(memory_limit_bytes() - LIBRARY_HEADROOM, 256 << 20)
+
+
+def _distributed(recipe: Recipe, nproc: int) -> Execution:
+    if recipe.backend != "llmcompressor":
+        raise QserveError("--nproc runs llm-compressor's data-parallel calibration; it needs backend: llmcompressor")
+    if recipe.calibration is None:
+        raise QserveError(f"--nproc splits the calibration data between processes, and recipe {recipe.name} is data-free")
+    if recipe.execution == "model_free":
+        raise QserveError("--nproc and execution: model_free do not combine (model-free runs without data)")
+    return Execution("distributed", f"--nproc {nproc}: data-parallel calibration under torchrun", nproc)
+
+
+def weight_bytes(model_path: Path) -> int:
+    """Bytes of the model's safetensors weights (what loading it costs, before activations)."""
+    files = list(Path(model_path).glob("*.safetensors"))
+    return sum(f.stat().st_size for f in files)
+
+
+def memory_limit_bytes() -> int:
+    """The least of: available RAM, this process's address-space limit, its cgroup's memory limit."""
+    limits = [_mem_available()]
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        limits.append(soft)
+    limits += [v for v in (_cgroup_limit(),) if v]
+    return min(limits)
+
+
+def _mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise QserveError("cannot read MemAvailable from /proc/meminfo")
+
+
+def _cgroup_limit() -> int | None:
+    """cgroup v2 memory.max or v1 memory.limit_in_bytes of this process's own cgroup, if set."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, rel = line.split(":", 2)
+        if controllers == "":
+            candidate = Path("/sys/fs/cgroup") / rel.lstrip("/") / "memory.max"
+        elif "memory" in controllers.split(","):
+            candidate = Path("/sys/fs/cgroup/memory") / rel.lstrip("/") / "memory.limit_in_bytes"
+        else:
+            continue
+        try:
+            value = candidate.read_text().strip()
+        except OSError:
+            continue
+        if value.isdigit() and int(value) < 1 << 60:
+            return int(value)
+    return None
+
+
+def shard_count(model_path: Path) -> int:
+    index = Path(model_path) / "model.safetensors.index.json"
+    if index.is_file():
+        return len(set(json.loads(index.read_text())["weight_map"].values()))
+    return len(list(Path(model_path).glob("*.safetensors")))
+
+
+def peak_rss_mib() -> float:
+    """This process's own peak resident memory. VmHWM, not ru_maxrss: on Linux a child's ru_maxrss
+    starts at its parent's peak (qserve run from a 3 GiB test process reported 3393 MiB)."""
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
