@@ -18,7 +18,7 @@ from qserve.checkpoint.manifest import EVAL_NAME, read_manifest
 # What qserve itself prints on stderr; a library line (loguru, vLLM logging, tqdm, warnings) is none of these.
 QSERVE_LINE = re.compile(
     r"^(> |ok |x |  \.\.\. |reusing |quantizing: |checkpoint written to |baseline for |accuracy gate passed |stopped by |"
-    r"warning: |note: |log: )"
+    r"warning: |note: |log: |execution: )"
 )
 
 

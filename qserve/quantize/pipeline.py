@@ -63,7 +63,8 @@ def quantize(
     check_shapes(ref.path, recipe, trust_remote_code)
     recipe = with_default_calibration(recipe)
     run = choose(recipe, ref.path, nproc, (nodes or {}).get("nnodes", 1))
-    info(f"execution: {run.path} ({run.reason})")
+    if run.path != "in_memory":  # the usual path stays quiet; the manifest records it either way
+        info(f"execution: {run.path} ({run.reason})")
 
     texts, calib_record = None, None
     if recipe.calibration is not None:
