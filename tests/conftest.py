@@ -66,20 +66,31 @@ def embedded_model_dir() -> Path:
     return resolve_model(None).path
 
 
+def llama_config(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, **extra):
+    """A Llama-architecture config over the embedded model's vocabulary, in bf16, for models the tests build."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=49152, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, torch_dtype="bfloat16", **extra,
+    )  # fmt: skip
+
+
+def copy_tokenizer(tokenizer_dir: Path, directory: Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tokenizer_dir / name, directory / name)
+
+
 def write_tiny_llama(directory: Path, tokenizer_dir: Path, layers: int = 2, hidden: int = 64) -> Path:
     """A random-initialised Llama (seed 0) with the embedded model's tokenizer: seconds to quantize,
     for tests whose subject is not the model's quality."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=49152, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, torch_dtype="bfloat16",
-    )  # fmt: skip
+    config = llama_config(hidden, 2 * hidden, layers, heads=4, kv_heads=2, max_position_embeddings=512)
     torch.manual_seed(0)
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(tokenizer_dir / name, directory / name)
+    copy_tokenizer(tokenizer_dir, directory)
     return directory
 
 
@@ -90,8 +101,8 @@ def tiny_model(tmp_path_factory, embedded_model_dir) -> Path:
 
 @pytest.fixture(scope="session")
 def checkpoints(request, tmp_path_factory, embedded_model_dir) -> dict[str, Path]:
-    """Lazily quantize each shipped recipe once per session through the CLI (the demo's recipe
-    through the demo's own `qserve run`)."""
+    """Lazily quantize each shipped recipe once per session (the demo's recipe through the demo's
+    own `qserve run`)."""
     root = tmp_path_factory.mktemp("ckpt")
 
     class Lazy(dict):
@@ -99,14 +110,21 @@ def checkpoints(request, tmp_path_factory, embedded_model_dir) -> dict[str, Path
             if name == Path(DEMO_RECIPE).stem:
                 self[name] = request.getfixturevalue("demo_run").ckpt
                 return self[name]
-            out = root / name
-            proc = run_qserve("quantize", recipe_for_tests(name, root), "--output", out)
-            assert proc.returncode == 0, proc.stderr[-3000:]
-            assert proc.stdout.strip().endswith(str(out)), proc.stdout
-            self[name] = out
-            return out
+            self[name] = quantize_in_process(recipe_for_tests(name, root), root / name)
+            return self[name]
 
     return Lazy()
+
+
+def quantize_in_process(recipe: Path, out: Path) -> Path:
+    """What `qserve quantize RECIPE --output OUT` runs, called in the test process: the session's
+    checkpoints pay llm-compressor's and Quark's imports (~15 s and ~30 s) once, not once each.
+    The CLI itself is tested in test_quantize; tune's search shows in-process runs give the same bits."""
+    from qserve.workflow import quantize_logged
+
+    assert quantize_logged(recipe, output=out) == out
+    assert (out / "qserve_manifest.json").is_file() and (out / "logs" / "quantize.log").is_file()
+    return out
 
 
 # Recipes added for the scheme matrix calibrate on less data in tests (same schema, scheme and

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FP8_PARITY, FP8_RECIPES, REPO, run_qserve
+from conftest import FP8_PARITY, FP8_RECIPES, REPO, quantize_in_process, run_qserve
 
 from qserve.checkpoint.manifest import MANIFEST_NAME, read_manifest, sha256_file
 from qserve.checkpoint.schemes import SCHEMES
@@ -69,9 +69,7 @@ def mxfp4a16(tmp_path_factory) -> Path:
     """MXFP4A16 has no shipped recipe; the matrix claims it, so it is quantized and probed too."""
     root = tmp_path_factory.mktemp("mxfp4a16")
     (root / "r.yaml").write_text(MXFP4A16)
-    proc = run_qserve("quantize", root / "r.yaml", "--output", root / "out")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return root / "out"
+    return quantize_in_process(root / "r.yaml", root / "out")
 
 
 @pytest.mark.slow
