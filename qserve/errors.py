@@ -26,3 +26,13 @@ class Stopped(Exception):
 
         self.signum = signum
         super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """An allocation that failed: Python's MemoryError, or the RuntimeError/OSError that torch's
+    allocator and the OS raise with "cannot allocate memory" (ENOMEM), which have no type of their own."""
+    import errno
+
+    if isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno == errno.ENOMEM):
+        return True
+    return isinstance(exc, (RuntimeError, OSError)) and "allocate memory" in str(exc).lower()

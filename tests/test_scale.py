@@ -13,10 +13,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from conftest import QSERVE, REPO, run_qserve
+from conftest import QSERVE, REPO, copy_tokenizer, llama_config, run_qserve
 
 from qserve.checkpoint.manifest import read_manifest
-from qserve.errors import QserveError
+from qserve.errors import QserveError, is_out_of_memory
 from qserve.quantize import distributed, execution
 from qserve.quantize.recipe import parse_recipe
 
@@ -56,6 +56,19 @@ def test_model_free_refused_for_a_calibrated_recipe() -> None:
         "r.yaml:1: recipe: execution model_free quantizes weights shard by shard without data; "
         "drop calibration, kv_cache and smoothquant (they need data), or use execution in_memory"
     )
+
+
+def test_failed_allocations_are_recognised_as_out_of_memory() -> None:
+    """quantize turns these into its one-line out-of-memory advice; other library errors keep their own."""
+    import errno
+
+    import torch
+
+    with pytest.raises(RuntimeError) as torch_oom:
+        torch.empty(2**50, dtype=torch.uint8)  # torch's CPU allocator, for real
+    assert is_out_of_memory(torch_oom.value) and is_out_of_memory(MemoryError())
+    assert is_out_of_memory(OSError(errno.ENOMEM, os.strerror(errno.ENOMEM)))
+    assert not is_out_of_memory(RuntimeError("shape mismatch")) and not is_out_of_memory(OSError(errno.ENOSPC, "full"))
 
 
 def test_auto_keeps_a_model_that_fits_in_memory(embedded_model_dir: Path) -> None:
@@ -101,20 +114,13 @@ def memory_cgroup(limit: int) -> Iterator[Path]:
 def _write_synthetic_llama(directory: Path, tokenizer_dir: Path) -> int:
     """A random-initialised Llama-architecture model (seed 0), 2.6 GiB of bf16 in 6 shards, written
     tensor by tensor so the test itself never holds it; returns its weight bytes."""
-    import shutil
-
     import torch
     from safetensors.torch import save_file
-    from transformers import LlamaConfig
 
     directory.mkdir()
-    config = LlamaConfig(
-        vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=20, num_attention_heads=16,
-        num_key_value_heads=4, max_position_embeddings=2048, tie_word_embeddings=False, torch_dtype="bfloat16",
-    )  # fmt: skip
+    config = llama_config(2048, 8192, 20, heads=16, kv_heads=4, max_position_embeddings=2048, tie_word_embeddings=False)
     config.save_pretrained(directory)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, directory / name)
+    copy_tokenizer(tokenizer_dir, directory)
     gen = torch.Generator().manual_seed(0)
     h, f = config.hidden_size, config.intermediate_size
     kv = config.num_key_value_heads * h // config.num_attention_heads

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from qserve.errors import QserveError
+from qserve.progress import info
 from qserve.quantize.recipe import Recipe
 
 
@@ -93,8 +94,6 @@ def launch(
 
 def _tell_other_nodes(job: Path, nproc: int, nnodes: int = 1, rdzv_endpoint: str | None = None) -> None:
     """The command each other machine runs; the job file, model and output must be on storage they share."""
-    from qserve.progress import info
-
     for rank in range(1, nnodes):
         info(f"on node {rank} run: {shlex.join(torchrun_command(job, nproc, nnodes, rank, rdzv_endpoint))}")
 

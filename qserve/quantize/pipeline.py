@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from qserve import paths
 from qserve.checkpoint.card import CARD_NAME, model_card
@@ -20,12 +20,17 @@ from qserve.checkpoint.manifest import MANIFEST_NAME, Manifest, VllmArgs, hash_f
 from qserve.checkpoint.models import ModelRef, resolve_model
 from qserve.checkpoint.records import write_text
 from qserve.checkpoint.schemes import SCHEMES
-from qserve.errors import QserveError
+from qserve.errors import QserveError, is_out_of_memory
 from qserve.progress import info, step
-from qserve.quantize.execution import choose, memory_limit_bytes, offload_budget, peak_rss_mib, shard_count
+from qserve.quantize.execution import Execution, choose, memory_limit_bytes, offload_budget, peak_rss_mib, shard_count
 from qserve.quantize.recipe import DEFAULT_CALIBRATION, CalibrationSpec, Recipe, load_recipe
 
 CANDIDATE_GROUP_SIZES = (32, 64, 128, 256)
+
+
+class RecipeSource(NamedTuple):
+    path: str | Path
+    sha256: str
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,9 @@ def quantize(
     partial.chmod(0o777 & ~umask)  # mkdtemp's 0700 would make the checkpoint private
     try:
         with _terminate_as_interrupt():
-            manifest = _run(ref, recipe, (recipe_path, recipe_sha), texts, calib_record, partial, trust_remote_code, run, nodes)
+            manifest = _run(
+                ref, recipe, RecipeSource(recipe_path, recipe_sha), texts, calib_record, partial, trust_remote_code, run, nodes
+            )
         # The card names the final directory; `qserve eval` rewrites it with results. Not hashed.
         write_text(partial / CARD_NAME, model_card(out, manifest, None))
         publish(partial, out, force)
@@ -130,7 +137,15 @@ def publish(partial: Path, out: Path, force: bool) -> None:
 
 
 def _run(
-    ref: ModelRef, recipe: Recipe, source: tuple, texts, calib_record, partial: Path, trust_remote_code: bool, run, nodes
+    ref: ModelRef,
+    recipe: Recipe,
+    source: RecipeSource,
+    texts: list[str] | None,
+    calib_record: dict[str, Any] | None,
+    partial: Path,
+    trust_remote_code: bool,
+    run: Execution,
+    nodes: dict[str, Any] | None,
 ) -> Manifest:
     start = time.monotonic()
     label = f"quantizing {ref.id}: {recipe.label}"
@@ -139,10 +154,10 @@ def _run(
     with step(label) as timing:
         try:
             name, execution = _execute(ref.path, recipe, texts, partial, trust_remote_code, run, nodes or {})
-        except (MemoryError, RuntimeError, OSError) as exc:
-            if not isinstance(exc, MemoryError) and "allocate memory" not in str(exc):
-                raise
-            raise QserveError(_out_of_memory(run.path, recipe)) from None
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                raise QserveError(_out_of_memory(run.path, recipe)) from None
+            raise
     scheme = SCHEMES[name]
     with step("hashing checkpoint files"):
         files = hash_files(partial)
@@ -150,7 +165,7 @@ def _run(
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),
         scheme=scheme.name,
         recipe=recipe.model_dump(),
-        recipe_source={"path": str(Path(source[0]).resolve()), "sha256": source[1]},
+        recipe_source={"path": str(Path(source.path).resolve()), "sha256": source.sha256},
         source_model={"id": ref.id, "path": str(ref.path), "source": ref.source},
         calibration=calib_record,
         versions=library_versions(),
@@ -173,7 +188,7 @@ def _run(
     return manifest
 
 
-def _offloaded(model_path: Path, recipe: Recipe, texts, out: Path, trust_remote_code: bool) -> str:
+def _offloaded(model_path: Path, recipe: Recipe, texts: list[str] | None, out: Path, trust_remote_code: bool) -> str:
     """oneshot with the weights beyond this machine's memory on disk, in a folder removed afterwards."""
     from qserve.quantize.backends.llmcompressor import exported_scheme, run_oneshot
 
@@ -200,7 +215,9 @@ def _out_of_memory(path: str, recipe: Recipe) -> str:
     return f"out of memory quantizing {where} ({limit}); {advice}"
 
 
-def _execute(model_path: Path, recipe: Recipe, texts, out: Path, trust_remote_code: bool, run, nodes: dict) -> tuple[str, dict]:
+def _execute(
+    model_path: Path, recipe: Recipe, texts: list[str] | None, out: Path, trust_remote_code: bool, run: Execution, nodes: dict
+) -> tuple[str, dict]:
     """The library call for the chosen execution path; returns the scheme written and the record of how."""
     record = run.record()
     if run.path == "model_free":
