@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from qserve.checkpoint.manifest import MANIFEST_NAME
 from qserve.serve.server import free_port  # noqa: F401  (tests import it from here)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,7 +124,7 @@ def quantize_in_process(recipe: Path, out: Path) -> Path:
     from qserve.workflow import quantize_logged
 
     assert quantize_logged(recipe, output=out) == out
-    assert (out / "qserve_manifest.json").is_file() and (out / "logs" / "quantize.log").is_file()
+    assert (out / MANIFEST_NAME).is_file() and (out / "logs" / "quantize.log").is_file()
     return out
 
 

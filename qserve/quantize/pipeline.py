@@ -216,7 +216,13 @@ def _out_of_memory(path: str, recipe: Recipe) -> str:
 
 
 def _execute(
-    model_path: Path, recipe: Recipe, texts: list[str] | None, out: Path, trust_remote_code: bool, run: Execution, nodes: dict
+    model_path: Path,
+    recipe: Recipe,
+    texts: list[str] | None,
+    out: Path,
+    trust_remote_code: bool,
+    run: Execution,
+    nodes: dict[str, Any],
 ) -> tuple[str, dict]:
     """The library call for the chosen execution path; returns the scheme written and the record of how."""
     record = run.record()
