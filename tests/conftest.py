@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -58,6 +59,44 @@ def run_qserve(
         env={**os.environ, **(env or {})},
         cwd=cwd or REPO,
     )
+
+
+def run_qserve_in_process(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The same CLI (`qserve.cli.app`) called in the test process, for the commands whose subject is
+    their result, not their process: the session pays vLLM's and lm-eval's imports (~20 s) once,
+    not once per `qserve eval`. Like a subprocess, its file descriptors 1 and 2 are captured (qserve
+    writes its steps to the terminal descriptor it saved, libraries to their log), and the exit code
+    is click's. Signals, process groups and the `python -m qserve.cli` entry point stay with run_qserve."""
+    from qserve.cli import app
+
+    saved_env, saved_cwd = dict(os.environ), Path.cwd()
+    saved_streams, saved_fds = (sys.stdout, sys.stderr), (os.dup(1), os.dup(2))
+    files = [tempfile.TemporaryFile(mode="w+b") for _ in range(2)]
+    code: int | str | None = 0
+    try:
+        os.environ.update(env or {})
+        os.chdir(REPO)
+        for fd, f in zip((1, 2), files, strict=True):
+            saved_streams[fd - 1].flush()
+            os.dup2(f.fileno(), fd)
+        sys.stdout, sys.stderr = (open(fd, "w", buffering=1, closefd=False) for fd in (1, 2))  # noqa: SIM115
+        try:
+            app(args=[str(a) for a in args], prog_name="qserve")
+        except SystemExit as exit_:
+            code = exit_.code
+    finally:
+        sys.stdout.flush(), sys.stderr.flush()
+        sys.stdout, sys.stderr = saved_streams
+        for fd, saved in zip((1, 2), saved_fds, strict=True):
+            os.dup2(saved, fd)
+            os.close(saved)
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+    out, err = (f.seek(0) or f.read().decode(errors="replace") for f in files)
+    for f in files:
+        f.close()
+    return subprocess.CompletedProcess(["qserve", *map(str, args)], code or 0, out, err)
 
 
 @pytest.fixture(scope="session")
@@ -215,6 +254,31 @@ def passed_eval(demo_run) -> tuple[Path, dict]:
     return demo_run.ckpt, json.loads((demo_run.ckpt / "qserve_eval.json").read_text())
 
 
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def assert_served_text_equals_the_eval_engines(server: Server, tokens: int = 16) -> None:
+    """The server's greedy completion and chat reply equal the engine `qserve eval` decides the gate
+    with (same kernels, same dtype, one request at a time, so the same tokens), and name Paris."""
+    from vllm import SamplingParams
+
+    from qserve.checkpoint.manifest import read_manifest
+    from qserve.device import detect, engine
+
+    ckpt = server.ckpt
+    with engine.open_engine(ckpt, read_manifest(ckpt).vllm_args, detect.detect_device(), ckpt.name) as lm:
+        text = engine.greedy_generate(lm, [PROMPT], tokens)[0]
+        (chat,) = lm.model.chat(CHAT, SamplingParams(temperature=0.0, max_tokens=tokens), use_tqdm=False)
+    server.wait()
+    assert server.ready_line == f"serving {ckpt.name} at {server.base_url}\n", (ckpt / "logs" / "serve.log").read_text()[-3000:]
+    client, common = server.client(), {"model": ckpt.name, "temperature": 0, "max_tokens": tokens}
+    served_chat = client.chat.completions.create(messages=CHAT, **common).choices[0].message.content
+    served_text = client.completions.create(prompt=PROMPT, **common).choices[0].text
+    assert "Paris" in served_text + served_chat  # the model answers through the server
+    assert (served_text, served_chat) == (text, chat.outputs[0].text)
+
+
 class Server:
     """`qserve serve CKPT` as a user runs it (with an API key), read until its endpoint line."""
 
@@ -237,8 +301,9 @@ class Server:
 
     def wait(self) -> None:
         """Read the endpoint line and the curl line (qserve prints them once the server answered)."""
-        self.ready_line = self.proc.stdout.readline()
-        self.curl_line = self.proc.stdout.readline()
+        if not hasattr(self, "ready_line"):
+            self.ready_line = self.proc.stdout.readline()
+            self.curl_line = self.proc.stdout.readline()
 
     def client(self, api_key: str = API_KEY, timeout: float = 120):
         from openai import OpenAI

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import CACHE_DIR, EVAL_LIMIT, REPO, copy_checkpoint, run_qserve
+from conftest import CACHE_DIR, EVAL_LIMIT, REPO, copy_checkpoint, run_qserve, run_qserve_in_process
 
 from qserve.checkpoint.manifest import EVAL_NAME
 from qserve.checkpoint.tensors import quantized_layer_bytes
@@ -36,7 +36,7 @@ def test_compare_shares_one_cached_baseline_and_writes_table_plot_json(checkpoin
     for model in (CACHE_DIR / "models").iterdir():
         (cache / "models" / model.name).symlink_to(model)
     args = ("--tasks", "gsm8k_ppl", "--limit", str(EVAL_LIMIT), "--out-dir", out)
-    proc = run_qserve("compare", *recipes, *args, env={"QSERVE_CACHE_DIR": str(cache)})
+    proc = run_qserve_in_process("compare", *recipes, *args, env={"QSERVE_CACHE_DIR": str(cache)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "w4a16-gptq: reusing" in proc.stderr and "w8a8-int8: reusing" in proc.stderr
     assert "quantizing" not in proc.stderr
@@ -67,7 +67,7 @@ def test_compare_shares_one_cached_baseline_and_writes_table_plot_json(checkpoin
     # A gate far from the scores (perplexity may grow 50x): the cache, not the gate, is under test.
     ckpt = out / "out-w4a16-gptq"
     gate = ("--gate", "gsm8k_ppl:max_increase=50", "--no-parity", "--refresh-baseline")
-    proc = run_qserve("eval", ckpt, *args[:4], *gate, env={"QSERVE_CACHE_DIR": str(cache)})
+    proc = run_qserve_in_process("eval", ckpt, *args[:4], *gate, env={"QSERVE_CACHE_DIR": str(cache)})
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "starting vLLM for the baseline" in proc.stderr
     refreshed = json.loads((ckpt / EVAL_NAME).read_text())

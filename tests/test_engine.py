@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import run_qserve
+from conftest import quantize_in_process, run_qserve
 
 from qserve.checkpoint.manifest import read_manifest
 from qserve.checkpoint.schemes import SCHEMES
@@ -65,9 +65,7 @@ def w4a16_float32(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("f32")
     recipe = root / "w4a16-f32.yaml"
     recipe.write_text("name: w4a16-f32\nscheme: W4A16\nalgorithm: rtn\ngroup_size: 64\ndtype: float32\n")
-    proc = run_qserve("quantize", recipe, "--output", root / "ckpt")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return root / "ckpt"
+    return quantize_in_process(recipe, root / "ckpt")
 
 
 @pytest.mark.slow

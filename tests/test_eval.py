@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import DEMO_LIMIT, DEMO_TASKS, EVAL_LIMIT, copy_checkpoint, free_port, run_qserve
+from conftest import DEMO_LIMIT, DEMO_TASKS, EVAL_LIMIT, copy_checkpoint, free_port, run_qserve, run_qserve_in_process
 
 from qserve.checkpoint.card import CARD_NAME, gate_rows
 from qserve.checkpoint.manifest import EVAL_NAME, LM_EVAL_RESULTS_NAME, hash_files, read_manifest, write_manifest
@@ -50,7 +50,7 @@ def test_gsm8k_on_a_135m_model_has_no_signal(passed_eval, tmp_path: Path) -> Non
     quantized or not, so the gate has nothing to judge by: a warning, and never a pass on its own.
     (Why the demo gates on perplexity instead.)"""
     ckpt = copy_checkpoint(passed_eval[0], tmp_path / "ckpt")
-    proc = run_qserve("eval", ckpt, "--tasks", "gsm8k", "--limit", "5", "--no-parity", "--json")
+    proc = run_qserve_in_process("eval", ckpt, "--tasks", "gsm8k", "--limit", "5", "--no-parity", "--json")
     assert proc.returncode == 4, proc.stderr[-3000:]
     gsm = json.loads(proc.stdout)["gates"][0]
     assert (gsm["baseline"], gsm["quantized"], gsm["recovery"]) == (0.0, 0.0, None)
@@ -77,7 +77,7 @@ def test_eval_without_evidence_is_inconclusive(passed_eval, tmp_path: Path) -> N
     and a passing perplexity gate may not outvote it."""
     ckpt = copy_checkpoint(passed_eval[0], tmp_path / "ckpt")  # the shared one keeps its passing record
     tasks = "gsm8k_ppl,gsm8k_mc"
-    proc = run_qserve("eval", ckpt, "--tasks", tasks, "--limit", str(EVAL_LIMIT), "--no-parity", "--json")
+    proc = run_qserve_in_process("eval", ckpt, "--tasks", tasks, "--limit", str(EVAL_LIMIT), "--no-parity", "--json")
     assert proc.returncode == 4, proc.stdout[-2000:] + proc.stderr[-3000:]
     summary = json.loads(proc.stdout)
     gates = {g["task"]: g for g in summary["gates"]}
@@ -135,7 +135,7 @@ def _damage_scales(ckpt: Path, spread: float = 0.05) -> None:
 def test_damaged_checkpoint_fails_the_perplexity_gate(passed_eval, tmp_path: Path) -> None:
     ckpt = copy_checkpoint(passed_eval[0], tmp_path / "ckpt")
     _damage_scales(ckpt)
-    proc = run_qserve("eval", ckpt, "--tasks", "gsm8k_ppl", "--limit", str(EVAL_LIMIT), "--json")
+    proc = run_qserve_in_process("eval", ckpt, "--tasks", "gsm8k_ppl", "--limit", str(EVAL_LIMIT), "--json")
     assert proc.returncode == 3, proc.stderr[-3000:]
     summary = json.loads(proc.stdout)
     gate = summary["gates"][0]

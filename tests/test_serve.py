@@ -7,7 +7,15 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import API_KEY, Server, copy_checkpoint, free_port, make_keys, run_qserve
+from conftest import (
+    API_KEY,
+    Server,
+    assert_served_text_equals_the_eval_engines,
+    copy_checkpoint,
+    free_port,
+    make_keys,
+    run_qserve,
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +46,12 @@ def test_serve_prints_endpoint_and_curl(server) -> None:
     assert server.ready_line == f"serving {server.ckpt.name} at {server.base_url}\n"
     assert server.curl_line.startswith(f"curl {server.base_url}/chat/completions")
     assert "Authorization: Bearer $QSERVE_API_KEY" in server.curl_line and API_KEY not in server.curl_line
+
+
+@pytest.mark.slow
+def test_served_text_equals_the_eval_engines(server) -> None:
+    """The serve matrix's check (test_serve_matrix.py) for INT8 W8A8, the demo's scheme, on this server."""
+    assert_served_text_equals_the_eval_engines(server)
 
 
 @pytest.mark.slow

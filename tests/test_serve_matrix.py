@@ -1,4 +1,5 @@
-"""Serve runs what eval gated: every scheme the matrix marks servable, through the real `qserve serve`.
+"""Serve runs what eval gated: every scheme the matrix marks servable, through the real `qserve serve`
+(INT8 W8A8 on test_serve.py's server).
 
 The gate is decided on the in-process engine (`qserve eval`); users get vLLM's API server, whose
 engine core and worker run in processes of their own. For each servable scheme the server must
@@ -9,7 +10,7 @@ same prompt and the same chat: same kernels, same dtype, one request at a time, 
 from __future__ import annotations
 
 import pytest
-from conftest import FP8_PARITY, Server
+from conftest import FP8_PARITY, PROMPT, Server, assert_served_text_equals_the_eval_engines
 
 from qserve.checkpoint.manifest import read_manifest
 from qserve.checkpoint.schemes import SCHEMES
@@ -26,12 +27,10 @@ SERVABLE = {
     # (support.CPU_KV_CACHE): one server start proves both entries.
     "w4a16-fp8kv": ("compressed-tensors", "W4A16"),
 }
-PROMPT = "The capital of France is"
-CHAT = [{"role": "user", "content": "What is the capital of France?"}]
-TOKENS = 16
 # FP8_DYNAMIC runs at ~5 s per prompt token and ~30 s per generated token on a CPU without AMX-FP8
 # (conftest.FP8_RECIPES): it has a test of its own below, with a 1-token completion and no chat.
-GENERIC = sorted(set(SERVABLE) - {"fp8"})
+# INT8 W8A8 is the demo's checkpoint: test_serve.py checks it on the server it already runs.
+GENERIC = sorted(set(SERVABLE) - {"fp8", "w8a8-int8"})
 
 
 def test_serve_column_is_exactly_what_this_module_proves() -> None:
@@ -41,39 +40,14 @@ def test_serve_column_is_exactly_what_this_module_proves() -> None:
     assert all(support.CPU[key].runs for key in served)  # nothing is served that eval cannot gate
 
 
-def _eval_engine_texts(ckpt, tokens: int, chat_messages: list[dict]) -> tuple[str, str]:
-    """Greedy completion and chat reply from the engine `qserve eval` decides the gate with."""
-    from vllm import SamplingParams
-
-    manifest = read_manifest(ckpt)
-    with engine.open_engine(ckpt, manifest.vllm_args, detect.detect_device(), ckpt.name) as lm:
-        text = engine.greedy_generate(lm, [PROMPT], tokens)[0]
-        params = SamplingParams(temperature=0.0, max_tokens=tokens)
-        (chat,) = lm.model.chat(chat_messages, params, use_tqdm=False)
-    return text, chat.outputs[0].text
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", GENERIC)
 def test_served_text_equals_the_eval_engines(checkpoints, name: str) -> None:
-    ckpt = checkpoints[name]
-    tokens, messages = TOKENS, CHAT
-    server = Server(ckpt, "--skip-gate", wait=False)  # vLLM's server starts while the eval engine answers
+    server = Server(checkpoints[name], "--skip-gate", wait=False)  # vLLM's server starts while the eval engine answers
     try:
-        text, chat = _eval_engine_texts(ckpt, tokens, messages)
-        server.wait()
-        assert server.ready_line == f"serving {ckpt.name} at {server.base_url}\n", (ckpt / "logs" / "serve.log").read_text()[
-            -3000:
-        ]
-        client = server.client()
-        common = {"model": ckpt.name, "temperature": 0}
-        reply = client.chat.completions.create(messages=messages, max_tokens=tokens, **common)
-        served_chat = reply.choices[0].message.content
-        served_text = client.completions.create(prompt=PROMPT, max_tokens=tokens, **common).choices[0].text
+        assert_served_text_equals_the_eval_engines(server)
     finally:
         server.close()
-    assert "Paris" in served_text + served_chat  # the model answers through the server
-    assert (served_text, served_chat) == (text, chat)
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FP8_PARITY, FP8_RECIPES, REPO, quantize_in_process, run_qserve
+from conftest import FP8_PARITY, FP8_RECIPES, REPO, quantize_in_process, run_qserve, run_qserve_in_process
 
 from qserve.checkpoint.manifest import MANIFEST_NAME, read_manifest, sha256_file
 from qserve.checkpoint.schemes import SCHEMES
@@ -133,7 +133,7 @@ def test_unrunnable_checkpoint_is_evaluated_emulated_and_refused_by_serve(checkp
     ckpt = checkpoints[name]
     # A gate any finite perplexity passes: the fallback, not the gate, is under test.
     gate = "gsm8k_ppl:max_increase=1000000"
-    proc = run_qserve("eval", ckpt, "--tasks", "gsm8k_ppl", "--limit", "3", "--gate", gate, "--json")
+    proc = run_qserve_in_process("eval", ckpt, "--tasks", "gsm8k_ppl", "--limit", "3", "--gate", gate, "--json")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     summary = json.loads(proc.stdout)
     assert summary["verdict"] == "pass"
@@ -155,7 +155,7 @@ def test_unrunnable_checkpoint_is_evaluated_emulated_and_refused_by_serve(checkp
 def test_eval_checks_the_fp8_kv_scales_arrived(checkpoints) -> None:
     ckpt = checkpoints["w4a16-fp8kv"]
     gate = "gsm8k_ppl:max_increase=50"  # far from the scores: the KV check, not the gate, is under test
-    proc = run_qserve("eval", ckpt, "--tasks", "gsm8k_ppl", "--limit", "3", "--kv-cache-dtype", "fp8", "--gate", gate)
+    proc = run_qserve_in_process("eval", ckpt, "--tasks", "gsm8k_ppl", "--limit", "3", "--kv-cache-dtype", "fp8", "--gate", gate)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     summary = json.loads((ckpt / "qserve_eval.json").read_text())
     assert (summary["emulated"], summary["kv_cache"]["status"], summary["parity"]["status"]) == (False, "pass", "pass")
