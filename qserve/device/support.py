@@ -19,16 +19,36 @@ from qserve.checkpoint.schemes import parts_of
 from qserve.device import detect
 from qserve.errors import UnsupportedOnDevice
 
-FP8_GPU = "an FP8 GPU: NVIDIA compute capability 8.9+ (L4, L40S, H100; weight-only Marlin from 8.0) or AMD Instinct MI300+"
+# What runs each scheme vLLM-CPU cannot: read from vLLM 0.32's source (kernel `is_supported` checks,
+# schemes' get_min_capability), not measured here; the label travels with every claim.
+FROM_SOURCE = " (from vLLM's source, not measured here)"
+FP8_GPU = (
+    "an FP8 GPU: NVIDIA compute capability 8.9+ (L4, L40S, H100; weight-only Marlin from 8.0) or AMD Instinct MI300+"
+    + FROM_SOURCE
+)
 MXFP4_GPU = (
     "a GPU: native MXFP4 on NVIDIA Blackwell (compute capability 10.0+) or AMD Instinct MI350/MI355X; "
-    "vLLM emulates it on older CUDA/ROCm GPUs"
+    "vLLM emulates it on older CUDA/ROCm GPUs" + FROM_SOURCE
 )
+MXFP8_GPU = (
+    "a GPU: native MXFP8 on NVIDIA Blackwell (compute capability 10.0+: FlashInfer, DeepGEMM) or AMD Instinct "
+    "MI350/MI355X (gfx95x); Marlin FP8 or emulation on older CUDA GPUs" + FROM_SOURCE
+)
+NVFP4_GPU = (
+    "an NVIDIA GPU: native FP4 GEMMs on Blackwell (compute capability 10.0+: CUTLASS, FlashInfer); "
+    "Marlin FP4 (weights only) or emulation from compute capability 7.5" + FROM_SOURCE
+)
+NVFP4A16_GPU = "an NVIDIA GPU with compute capability 7.5+ (Marlin FP4 kernel)" + FROM_SOURCE
+W4AFP8_GPU = "an NVIDIA Hopper GPU (compute capability 9.0+: CompressedTensorsW4A8Fp8, CUTLASS mixed-input GEMM)" + FROM_SOURCE
 
 
 # Pieces of vLLM-CPU 0.32's own messages for the schemes it cannot run (seen by the probe).
 FP8_FAILURE = "_C::static_scaled_fp8_quant() expected at most 0 argument(s)"
 MXFP4_FAILURE = "Failed to find a kernel that can implement the MXFP4 linear layer"
+MXFP8_FAILURE = "Failed to find a kernel that can implement the MXFP8 linear layer"
+NVFP4_FAILURE = "Failed to find a kernel that can implement the NVFP4 linear layer"
+NVFP4A16_FAILURE = "Marlin FP4 not available"
+NO_CT_SCHEME = "No compressed-tensors compatible scheme was found"
 SERVED = "served by `vllm serve`: answers, greedy text equal to the eval engine's"
 
 
@@ -66,6 +86,24 @@ CPU: dict[tuple[str, str], Support] = {
     ),
     ("compressed-tensors", "MXFP4"): Support(False, "no MXFP4 linear kernel for CPUs", MXFP4_GPU, failure=MXFP4_FAILURE),
     ("compressed-tensors", "MXFP4A16"): Support(False, "no MXFP4 linear kernel for CPUs", MXFP4_GPU, failure=MXFP4_FAILURE),
+    ("compressed-tensors", "MXFP8"): Support(False, "no MXFP8 linear kernel for CPUs", MXFP8_GPU, failure=MXFP8_FAILURE),
+    ("compressed-tensors", "NVFP4"): Support(False, "no NVFP4 linear kernel for CPUs", NVFP4_GPU, failure=NVFP4_FAILURE),
+    ("compressed-tensors", "NVFP4A16"): Support(
+        False,
+        "no NVFP4 weight-only kernel for CPUs (vLLM forces Marlin FP4, a CUDA kernel)",
+        NVFP4A16_GPU,
+        failure=NVFP4A16_FAILURE,
+    ),
+    # Only measured with AMX (CPU_NEEDS_AMX): on CPUs without AMX-FP8 the FP8 block kernel keeps
+    # activations in bfloat16 (W8A16), so parity is against transformers' FP8-activation emulation.
+    ("compressed-tensors", "FP8_BLOCK"): Support(
+        True,
+        "bfloat16: loads (CPUFp8BlockScaledMMKernel: FP8 weights, bfloat16 activations); parity 0.089 nats "
+        "(SmolLM2: down_proj only); its API server was not measured",
+    ),
+    ("compressed-tensors", "W4AFP8"): Support(
+        False, "no compressed-tensors scheme for INT4 weights with FP8 activations on CPUs", W4AFP8_GPU, failure=NO_CT_SCHEME
+    ),
     ("quark", "W4A16"): Support(
         True,
         "float16: loads (CPUWNA16 kernel); parity 0.008 nats (bfloat16: 0.062, over the bound)",
@@ -114,6 +152,18 @@ CPU_NEEDS_AVX512 = {
 }
 
 
+# vLLM-CPU's FP8 block GEMM (CPUFp8BlockScaledMMKernel) requires AMX tiles ("requires AMX tile support
+# (Sapphire Rapids or newer)", vllm/model_executor/kernels/linear/scaled_mm/cpu.py); qserve has not seen
+# what vLLM does without them, so such a CPU is not claimed to run it.
+CPU_NEEDS_AMX = {
+    "FP8_BLOCK": Support(
+        False,
+        "vLLM-CPU's FP8 block kernel needs AMX tiles, and qserve has not seen FP8_BLOCK run on a CPU without them",
+        "a CPU with AMX (Sapphire Rapids or newer), or an FP8 GPU" + FROM_SOURCE,
+    )
+}
+
+
 def support_for(method: str, scheme: str, kind: str, cpu_flags: frozenset[str] | None = None) -> Support:
     """Whether vLLM runs `scheme` written as `method` (its quantization name) on a `kind` device.
 
@@ -126,6 +176,8 @@ def support_for(method: str, scheme: str, kind: str, cpu_flags: frozenset[str] |
     needs = [CPU_NEEDS_AVX512[p] for p in parts_of(scheme) if p in CPU_NEEDS_AVX512]
     if needs and "avx512f" not in flags:
         return needs[0]
+    if scheme in CPU_NEEDS_AMX and "amx_tile" not in flags:
+        return CPU_NEEDS_AMX[scheme]
     return CPU.get((method, scheme), Support(False, f"{method} {scheme} was never run on vLLM-CPU by qserve", "a GPU"))
 
 

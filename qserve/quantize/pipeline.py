@@ -295,6 +295,7 @@ def check_shapes(model_path: Path, recipe: Recipe, trust_remote_code: bool = Fal
     group size is checked against every layer too: cheap, and its targets are usually regexes."""
     if recipe.scheme is None:
         return
+    _check_tiles(model_path, recipe, trust_remote_code)
     wanted = [(recipe.scheme, recipe.group_size), *((o.scheme, o.group_size) for o in recipe.overrides)]
     groups = {g or _preset_group_size(s) for s, g in wanted if g is not None or SCHEMES[s].group_quantized} - {None}
     if not groups:
@@ -310,25 +311,68 @@ def check_shapes(model_path: Path, recipe: Recipe, trust_remote_code: bool = Fal
         raise QserveError(f"group_size {group} does not divide the input dim of {layers}; {advice} in the recipe")
 
 
-def _preset_group_size(scheme: str) -> int | None:
+# vLLM loads these projections as one fused GEMM (Llama-family packed_modules_mapping); with block-
+# quantized weights every part but the last must be a whole number of blocks (fp8_utils.py,
+# validate_fp8_block_shape: "Weight output_partition_size = 576 is not divisible by ... block_n = 128").
+FUSED_NOT_LAST = {"q_proj": "q_proj, k_proj, v_proj", "k_proj": "q_proj, k_proj, v_proj", "gate_proj": "gate_proj, up_proj"}
+
+
+def _check_tiles(model_path: Path, recipe: Recipe, trust_remote_code: bool) -> None:
+    """Block-quantized weights (FP8_BLOCK) and activations quantized in groups along the input dim
+    that the model's layers cannot be cut into: vLLM would refuse to load them, or fail at the
+    first request (per-token-group quantization needs whole groups), so say so before any work."""
+    preset = _preset(recipe.scheme)
+    block = preset.weights.block_structure if preset.weights else None
+    act_group = preset.input_activations.group_size if preset.input_activations else None
+    if not block and not act_group:
+        return
+    dims = linear_dims(model_path, recipe.ignore, trust_remote_code)
+    fused = {n: out for n, (_, out) in dims.items() if n.rsplit(".", 1)[-1] in FUSED_NOT_LAST and block and out % block[0]}
+    if fused:
+        layers = ", ".join(f"{n} ({out} rows)" for n, out in sorted(fused.items()))
+        groups = sorted({FUSED_NOT_LAST[n.rsplit(".", 1)[-1]] for n in fused})
+        raise QserveError(
+            f"{recipe.scheme}'s {block[0]}x{block[1]} blocks do not fit {layers}: vLLM fuses "
+            f"{' and '.join(groups)} into one GEMM and needs every part but the last to be a multiple of "
+            f"{block[0]} rows; add the whole fused group to ignore in the recipe"
+        )
+    split = {n: d_in for n, (d_in, _) in dims.items() if act_group and d_in % act_group}
+    if split:
+        layers = ", ".join(f"{n} (input dim {d})" for n, d in sorted(split.items()))
+        raise QserveError(
+            f"{recipe.scheme} quantizes activations in groups of {act_group} along the input dim, which does not "
+            f"divide {layers}; add these layers to ignore in the recipe"
+        )
+
+
+def _preset(scheme: str) -> Any:
     from compressed_tensors.quantization import preset_name_to_scheme
 
-    return preset_name_to_scheme(scheme, ["Linear"]).weights.group_size
+    return preset_name_to_scheme(SCHEMES[scheme].backends.get("llmcompressor", scheme), ["Linear"])
+
+
+def _preset_group_size(scheme: str) -> int | None:
+    return _preset(scheme).weights.group_size
 
 
 def linear_input_dims(model_path: Path, ignore: list[str], trust_remote_code: bool = False) -> dict[str, int]:
     """Input dims of the Linear layers a recipe quantizes, keyed by name with layer numbers as '*'."""
+    return {name: d_in for name, (d_in, _) in linear_dims(model_path, ignore, trust_remote_code).items()}
+
+
+def linear_dims(model_path: Path, ignore: list[str], trust_remote_code: bool = False) -> dict[str, tuple[int, int]]:
+    """(input, output) dims of the Linear layers a recipe quantizes, keyed by name with layer numbers as '*'."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    dims: dict[str, int] = {}
+    dims: dict[str, tuple[int, int]] = {}
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and not is_ignored(name, ignore):
             key = re.sub(r"\.\d+\.", ".*.", name)
-            dims[key] = module.in_features
+            dims[key] = (module.in_features, module.out_features)
     return dims
 
 
