@@ -46,11 +46,11 @@ def test_eval_writes_results_and_passes(passed_eval) -> None:
 
 @pytest.mark.slow
 def test_gsm8k_on_a_135m_model_has_no_signal(passed_eval, tmp_path: Path) -> None:
-    """lm-eval's own 5-shot GSM8K on local data: SmolLM2-135M solves none of the first 5 problems,
+    """lm-eval's own 5-shot GSM8K on local data: SmolLM2-135M solves none of the first 3 problems,
     quantized or not, so the gate has nothing to judge by: a warning, and never a pass on its own.
     (Why the demo gates on perplexity instead.)"""
     ckpt = copy_checkpoint(passed_eval[0], tmp_path / "ckpt")
-    proc = run_qserve_in_process("eval", ckpt, "--tasks", "gsm8k", "--limit", "5", "--no-parity", "--json")
+    proc = run_qserve_in_process("eval", ckpt, "--tasks", "gsm8k", "--limit", "3", "--no-parity", "--json")
     assert proc.returncode == 4, proc.stderr[-3000:]
     gsm = json.loads(proc.stdout)["gates"][0]
     assert (gsm["baseline"], gsm["quantized"], gsm["recovery"]) == (0.0, 0.0, None)
@@ -97,6 +97,21 @@ def test_eval_without_evidence_is_inconclusive(passed_eval, tmp_path: Path) -> N
     assert proc.stderr.strip().splitlines()[-1] == (
         f"error: {ckpt} did not pass its accuracy gate (verdict: inconclusive); see `qserve eval {ckpt}` (or pass --skip-gate)"
     )
+
+
+@pytest.mark.slow
+def test_parallel_flags_reach_vllms_engine_config(passed_eval, tmp_path: Path) -> None:
+    """`qserve eval -tp 2` hands tensor_parallel_size=2 to vLLM: SmolLM2's 9 attention heads do not split
+    in two, and vLLM's own config check says so, in one line; the checkpoint's gate record is untouched."""
+    ckpt = copy_checkpoint(passed_eval[0], tmp_path / "ckpt")
+    record = (ckpt / EVAL_NAME).read_bytes()
+    proc = run_qserve_in_process("eval", ckpt, "-tp", "2", "--tasks", "gsm8k_ppl", "--limit", "1", "--no-parity")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: ValidationError: Value error, Total number of attention heads (9) must be divisible by tensor "
+        f"parallel size (2). (traceback in {ckpt / 'logs' / 'eval.log'})"
+    )
+    assert (ckpt / EVAL_NAME).read_bytes() == record
 
 
 @pytest.mark.slow
