@@ -84,12 +84,10 @@ def _point_at(log_path: Path) -> None:
 def _first_line(exc: BaseException) -> str:
     """The message's first line; for a pydantic ValidationError (vLLM's config checks) the first
     line only counts the errors, so its first error's own message."""
-    errors = getattr(exc, "errors", None)
-    if type(exc).__name__ == "ValidationError" and callable(errors):
-        try:
-            return str(errors()[0]["msg"]).splitlines()[0][:300]
-        except (TypeError, LookupError, AttributeError):
-            pass
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError) and exc.errors():
+        return str(exc.errors()[0]["msg"]).splitlines()[0][:300]
     lines = str(exc).strip().splitlines()
     return lines[0][:300] if lines else "no message"
 
