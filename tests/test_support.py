@@ -46,11 +46,14 @@ CALIBRATED = {"fp8-static", "w8a8-int8", "smollm2-tuned", "w4a16-gptq", "w4a16-a
 # Parity for the older recipes is in test_engine; w4a16-fp8kv's in test_eval_checks_the_fp8_kv_scales_arrived.
 # The plain-recipe FP8_DYNAMIC checkpoint records the same (method, scheme) as `fp8`, whose parity
 # test_engine checks; it is only quantized here (FP8 decodes at ~30 s a token on this CPU).
-RUNNABLE_NEW = ["w4a16-awq", "quark-w4a16", "fp8-block"]
+# FP8_BLOCK's CPU kernel needs AMX tiles: runnable (parity) on an AMX CPU, probed to fail without.
+AMX = "amx_tile" in detect.cpu_flags()
+RUNNABLE_NEW = ["w4a16-awq", "quark-w4a16", *(["fp8-block"] if AMX else [])]
 # Runnable matrix entries are proven by parity tests (vLLM loads them and matches transformers):
 PARITY_TESTED = ["fp8", "llmcompressor-fp8-dynamic", "w8a8-int8", "smollm2-tuned", "w4a16-gptq", "w4a16-fp8kv", *RUNNABLE_NEW]
 # the others by a probe that must see vLLM fail (plus one runnable, so the probe is seen to pass too).
 NOT_RUNNABLE = ["fp8-static", "mxfp4", "quark-fp8-kv", "quark-mxfp4", "mxfp8", "nvfp4", "nvfp4a16", "w4afp8"]
+NOT_RUNNABLE += [] if AMX else ["fp8-block"]
 PROBED = [*NOT_RUNNABLE, "quark-w4a16"]
 MXFP4A16 = "name: mxfp4a16\nscheme: MXFP4A16\nignore: [lm_head]\n"
 
@@ -61,10 +64,10 @@ def test_every_shipped_recipe_is_covered() -> None:
 
 
 def test_every_matrix_entry_is_backed_by_a_real_run() -> None:
-    """Each (method, scheme) the matrix claims is exercised: runnable ones by parity, the rest by the probe."""
+    """Each (method, scheme) the matrix claims for this CPU is exercised: runnable ones by parity, the rest by the probe."""
     entry = {n: (EXPECTED[n][1], EXPECTED[n][0]) for n in EXPECTED}
-    runs = {k for k, v in support.CPU.items() if v.runs}
-    fails = {k for k, v in support.CPU.items() if not v.runs}
+    runs = {k for k in support.CPU if support.support_for(*k, "cpu").runs}
+    fails = set(support.CPU) - runs
     assert runs == {entry[n] for n in PARITY_TESTED}
     assert fails == {entry[n] for n in NOT_RUNNABLE} | {("compressed-tensors", "MXFP4A16")}  # the last: the mxfp4a16 fixture
 
@@ -259,10 +262,12 @@ def test_w4a16_is_refused_on_a_cpu_without_avx512() -> None:
 
 
 def test_fp8_block_is_claimed_only_on_a_cpu_with_amx() -> None:
-    """Its CPU kernel needs AMX tiles (vLLM's source); this machine kind has them, and the parity test runs it."""
+    """Its CPU kernel needs AMX tiles: on an AMX CPU the parity test runs it, without AMX the probe
+    must see vLLM refuse it (both seen: an Intel Xeon with AMX, an AMD EPYC without)."""
     avx512 = frozenset({"avx", "avx2", "avx512f"})
     s = support.support_for("compressed-tensors", "FP8_BLOCK", "cpu", avx512)
     assert (s.runs, s.serves) == (False, False) and s.needs.startswith("a CPU with AMX")
+    assert s.failure == "CPUFp8W8A8BlockScaledMMKernel requires AMX tile support"
     amx = support.support_for("compressed-tensors", "FP8_BLOCK", "cpu", avx512 | {"amx_tile"})
     assert amx == support.CPU[("compressed-tensors", "FP8_BLOCK")] and amx.runs and not amx.serves
 
@@ -278,7 +283,8 @@ def test_a_probe_confirms_a_failure_only_with_vllms_own_message() -> None:
     assert agreement({"runs": True, "text": " Paris"}, claim)["agrees"] is False
     runnable = support.CPU[("compressed-tensors", "W8A8")]
     assert agreement({"runs": True, "text": " Paris"}, runnable)["agrees"] is True
-    assert all(s.failure for s in support.CPU.values() if not s.runs)  # every "cannot" names vLLM's message
+    measured = [*support.CPU.values(), *support.CPU_NEEDS_AMX.values(), *support.CPU_MOE.values()]
+    assert all(s.failure for s in measured if not s.runs)  # every measured "cannot" names vLLM's message
 
 
 def test_quark_scheme_is_read_back_from_the_export(tmp_path: Path) -> None:

@@ -63,6 +63,9 @@ class Manifest(BaseModel):
     # How the library ran: in_memory, model_free (shard by shard) or distributed (ranks, samples
     # and peak RSS per rank). Absent in manifests written before it was recorded.
     execution: dict[str, Any] | None = None
+    # Mixture of experts only: experts per layer and per token, and when calibrated, per MoE layer
+    # the tokens the router sent each expert and the tokens each expert calibrated on.
+    experts: dict[str, Any] | None = None
 
 
 def library_versions() -> dict[str, str]:

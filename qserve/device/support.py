@@ -152,22 +152,44 @@ CPU_NEEDS_AVX512 = {
 }
 
 
-# vLLM-CPU's FP8 block GEMM (CPUFp8BlockScaledMMKernel) requires AMX tiles ("requires AMX tile support
-# (Sapphire Rapids or newer)", vllm/model_executor/kernels/linear/scaled_mm/cpu.py); qserve has not seen
-# what vLLM does without them, so such a CPU is not claimed to run it.
+# vLLM-CPU's FP8 block GEMM (CPUFp8BlockScaledMMKernel) requires AMX tiles (vllm/model_executor/kernels/
+# linear/scaled_mm/cpu.py); probed on an AMD EPYC with AVX-512 and no AMX, vLLM refuses the checkpoint.
+FP8_BLOCK_NO_AMX = "CPUFp8W8A8BlockScaledMMKernel requires AMX tile support"
 CPU_NEEDS_AMX = {
     "FP8_BLOCK": Support(
         False,
-        "vLLM-CPU's FP8 block kernel needs AMX tiles, and qserve has not seen FP8_BLOCK run on a CPU without them",
+        "vLLM-CPU's FP8 block kernel needs AMX tiles: without them no ScaledMM kernel takes the checkpoint",
         "a CPU with AMX (Sapphire Rapids or newer), or an FP8 GPU" + FROM_SOURCE,
+        failure=FP8_BLOCK_NO_AMX,
+    )
+}
+
+# Mixture-of-experts checkpoints: vLLM runs experts through its fused-MoE kernels, not the linear ones,
+# so a scheme that runs dense may not run as experts. vLLM-CPU 0.32's int4 MoE experts are
+# CPUExpertsInt4 (needs AMX tiles) or ZentorchExpertsInt4 (needs the zentorch package):
+# fused_moe/experts/cpu_moe.py and zentorch_moe.py, `_supports_current_device`.
+MOE_W4A16_GPU = "a CPU with AMX (CPUExpertsInt4), zentorch on an AMD CPU, or a GPU (Marlin or Triton WNA16 MoE)" + FROM_SOURCE
+CPU_MOE = {
+    ("compressed-tensors", "W4A16"): Support(
+        False,
+        "vLLM-CPU has no int4 MoE kernel for this CPU (seen without AMX and zentorch)",
+        MOE_W4A16_GPU,
+        failure="No WNA16 MoE backend supports the deployment configuration",
+    )
+}
+# On AMX CPUs vLLM's source selects CPUExpertsInt4 for W4A16 experts; qserve has not run it there.
+CPU_MOE_AMX = {
+    ("compressed-tensors", "W4A16"): Support(
+        False, "not measured by qserve on an AMX CPU (vLLM's source picks CPUExpertsInt4 there)", MOE_W4A16_GPU
     )
 }
 
 
-def support_for(method: str, scheme: str, kind: str, cpu_flags: frozenset[str] | None = None) -> Support:
+def support_for(method: str, scheme: str, kind: str, cpu_flags: frozenset[str] | None = None, moe: bool = False) -> Support:
     """Whether vLLM runs `scheme` written as `method` (its quantization name) on a `kind` device.
 
-    `cpu_flags` (default: this machine's) decide the entries that need an ISA extension.
+    `cpu_flags` (default: this machine's) decide the entries that need an ISA extension; `moe`:
+    the scheme is on a mixture-of-experts model's experts.
     """
     if kind != "cpu":
         gpu = "not measured by qserve on GPUs; vLLM checks the compute capability at load"
@@ -176,6 +198,10 @@ def support_for(method: str, scheme: str, kind: str, cpu_flags: frozenset[str] |
     needs = [CPU_NEEDS_AVX512[p] for p in parts_of(scheme) if p in CPU_NEEDS_AVX512]
     if needs and "avx512f" not in flags:
         return needs[0]
+    if moe:
+        table = CPU_MOE_AMX if "amx_tile" in flags else CPU_MOE
+        unseen = f"{method} {scheme} on a mixture-of-experts model was never run on vLLM-CPU by qserve"
+        return table.get((method, scheme), Support(False, unseen, "a GPU"))
     if scheme in CPU_NEEDS_AMX and "amx_tile" not in flags:
         return CPU_NEEDS_AMX[scheme]
     return CPU.get((method, scheme), Support(False, f"{method} {scheme} was never run on vLLM-CPU by qserve", "a GPU"))
@@ -183,7 +209,7 @@ def support_for(method: str, scheme: str, kind: str, cpu_flags: frozenset[str] |
 
 def vllm_support(manifest: Manifest, kind: str) -> Support:
     """Whether vLLM runs this checkpoint's scheme on a device of `kind` ("cpu" or "cuda") here."""
-    return support_for(manifest.vllm_args.quantization or "none", manifest.scheme, kind)
+    return support_for(manifest.vllm_args.quantization or "none", manifest.scheme, kind, moe=manifest.experts is not None)
 
 
 def check_dtype(manifest: Manifest, kind: str, detail: str) -> None:

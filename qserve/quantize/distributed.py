@@ -25,6 +25,7 @@ from pathlib import Path
 
 from qserve.errors import QserveError
 from qserve.progress import info
+from qserve.quantize.experts import check_every_expert_calibrated, sum_records
 from qserve.quantize.recipe import Recipe
 
 
@@ -83,7 +84,12 @@ def launch(
         for p in out_dir.parent.glob(f"{out_dir.name}.rank-*.json"):
             p.unlink()
     world = nproc * nodes.get("nnodes", 1)
+    counts = [p.pop("experts") for p in peaks]
+    experts_record = sum_records(counts) if counts and counts[0] else None
+    if experts_record:
+        check_every_expert_calibrated(experts_record)
     return {
+        "experts": experts_record,
         "nproc": nproc,
         "world_size": world,
         "samples_per_rank": samples_per_rank(len(texts), world),
@@ -125,8 +131,10 @@ def worker(job_path: Path) -> None:
         start, end = share_bounds(len(job["texts"]), rank, world)
         out = Path(job["out"])
         recipe = Recipe.model_validate(job["recipe"])
-        llmcompressor.run_oneshot(Path(job["model"]), recipe, job["texts"][start:end], out, job["trc"], distributed=True)
-        peak = {"rank": rank, "samples": end - start, "peak_rss_mib": peak_rss_mib()}
+        experts = llmcompressor.run_oneshot(
+            Path(job["model"]), recipe, job["texts"][start:end], out, job["trc"], distributed=True
+        )
+        peak = {"rank": rank, "samples": end - start, "peak_rss_mib": peak_rss_mib(), "experts": experts}
         (out.parent / f"{out.name}.rank-{rank}.json").write_text(json.dumps(peak))
     finally:
         dist.destroy_process_group()

@@ -66,6 +66,7 @@ def quantize(
     ref = resolve_model(model or recipe.model)
     check_output(out, ref.path)
     check_shapes(ref.path, recipe, trust_remote_code)
+    check_moe(ref.path, recipe, trust_remote_code)
     recipe = with_default_calibration(recipe)
     run = choose(recipe, ref.path, nproc, (nodes or {}).get("nnodes", 1))
     if run.path != "in_memory":  # the usual path stays quiet; the manifest records it either way
@@ -153,7 +154,7 @@ def _run(
     label += f" in {run.nproc} processes" if run.nproc > 1 else " shard by shard" if run.path == "model_free" else ""
     with step(label) as timing:
         try:
-            name, execution = _execute(ref.path, recipe, texts, partial, trust_remote_code, run, nodes or {})
+            name, execution, counts = _execute(ref.path, recipe, texts, partial, trust_remote_code, run, nodes or {})
         except Exception as exc:
             if is_out_of_memory(exc):
                 raise QserveError(_out_of_memory(run.path, recipe)) from None
@@ -183,22 +184,44 @@ def _run(
         files=files,
         environment=environment(ref.path),
         execution=execution,
+        experts=_experts_record(ref.path, trust_remote_code, counts),
     )
     write_manifest(partial, manifest)
     return manifest
 
 
-def _offloaded(model_path: Path, recipe: Recipe, texts: list[str] | None, out: Path, trust_remote_code: bool) -> str:
+def _experts_record(model_path: Path, trust_remote_code: bool, counts: dict | None) -> dict | None:
+    """The manifest's `experts`: the MoE shape from the config, and the calibration counts if any."""
+    from qserve.quantize.experts import moe_summary
+
+    summary = moe_summary(model_path, trust_remote_code)
+    return None if summary is None else summary | (counts or {})
+
+
+def check_moe(model_path: Path, recipe: Recipe, trust_remote_code: bool = False) -> None:
+    """qserve checks expert calibration through llm-compressor's linearized experts only."""
+    from qserve.quantize.experts import moe_summary
+
+    if recipe.backend == "quark" and recipe.calibration is not None and moe_summary(model_path, trust_remote_code):
+        raise QserveError(
+            "calibrating a mixture-of-experts model is supported with backend: llmcompressor only "
+            "(qserve counts each expert's calibration tokens through llm-compressor's linearized experts)"
+        )
+
+
+def _offloaded(
+    model_path: Path, recipe: Recipe, texts: list[str] | None, out: Path, trust_remote_code: bool
+) -> tuple[str, dict | None]:
     """oneshot with the weights beyond this machine's memory on disk, in a folder removed afterwards."""
     from qserve.quantize.backends.llmcompressor import exported_scheme, run_oneshot
 
     folder = Path(tempfile.mkdtemp(prefix=f".{out.name}.offload-", dir=out.parent))
     try:
         offload = {"max_memory": {"cpu": offload_budget()}, "offload_folder": str(folder)}
-        run_oneshot(model_path, recipe, texts, out, trust_remote_code, offload=offload)
+        experts = run_oneshot(model_path, recipe, texts, out, trust_remote_code, offload=offload)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    return exported_scheme(out, recipe)
+    return exported_scheme(out, recipe), experts
 
 
 def _out_of_memory(path: str, recipe: Recipe) -> str:
@@ -224,22 +247,25 @@ def _execute(
     run: Execution,
     nodes: dict[str, Any],
 ) -> tuple[str, dict]:
-    """The library call for the chosen execution path; returns the scheme written and the record of how."""
+    """The library call for the chosen execution path; returns the scheme written, the record of
+    how, and a calibrated mixture of experts' token counts."""
     record = run.record()
     if run.path == "model_free":
         from qserve.quantize.backends.llmcompressor import quantize_model_free
 
         record["shards"] = shard_count(model_path)
-        return quantize_model_free(model_path, recipe, out), record
+        return quantize_model_free(model_path, recipe, out), record, None
     if run.path == "offload":
-        return _offloaded(model_path, recipe, texts, out, trust_remote_code), record | {"max_memory_cpu": offload_budget()}
+        name, experts = _offloaded(model_path, recipe, texts, out, trust_remote_code)
+        return name, record | {"max_memory_cpu": offload_budget()}, experts
     if run.path == "distributed":
         from qserve.quantize import distributed
         from qserve.quantize.backends.llmcompressor import exported_scheme
 
         record |= distributed.launch(model_path, recipe, texts, out, trust_remote_code, run.nproc, **nodes)
-        return exported_scheme(out, recipe), record
-    return backend_module(recipe.backend).quantize(model_path, recipe, texts, out, trust_remote_code), record
+        return exported_scheme(out, recipe), record, record.pop("experts", None)
+    name, experts = backend_module(recipe.backend).quantize(model_path, recipe, texts, out, trust_remote_code)
+    return name, record, experts
 
 
 def environment(model_path: Path) -> dict[str, Any]:

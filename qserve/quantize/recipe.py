@@ -78,6 +78,11 @@ class CalibrationSpec(DataSource):
     samples: int = Field(64, gt=0)
     seq_len: int = Field(DEFAULT_SEQ_LEN, gt=8)
     seed: int = 0
+    all_experts: bool = Field(
+        True,
+        description="mixture of experts: every expert calibrates on every token, the router still picks "
+        "the outputs (llm-compressor's moe_calibrate_all_experts); false: only on the tokens routed to it",
+    )
 
     @model_validator(mode="after")
     def _mix_alone(self) -> CalibrationSpec:

@@ -101,10 +101,13 @@ def modifiers_need_data(modifiers: dict[str, Any]) -> bool:
     return False
 
 
-def quantize(model_path: Path, recipe: Recipe, texts: list[str] | None, out_dir: Path, trust_remote_code: bool = False) -> str:
-    """Run oneshot on the model, save the compressed checkpoint to out_dir; returns the scheme it holds."""
-    run_oneshot(model_path, recipe, texts, out_dir, trust_remote_code)
-    return exported_scheme(out_dir, recipe)
+def quantize(
+    model_path: Path, recipe: Recipe, texts: list[str] | None, out_dir: Path, trust_remote_code: bool = False
+) -> tuple[str, dict[str, Any] | None]:
+    """Run oneshot on the model, save the compressed checkpoint to out_dir; returns the scheme it
+    holds and, for a calibrated mixture of experts, the tokens each expert saw."""
+    experts = run_oneshot(model_path, recipe, texts, out_dir, trust_remote_code)
+    return exported_scheme(out_dir, recipe), experts
 
 
 def run_oneshot(
@@ -115,36 +118,52 @@ def run_oneshot(
     trust_remote_code: bool,
     distributed: bool = False,
     offload: dict[str, Any] | None = None,
-) -> None:
-    """oneshot and save. `distributed`: one rank of several (texts: its share); the model is loaded
-    through compressed-tensors' offloading, which keeps one copy of the weights shared by the ranks,
-    and saving is collective (every rank calls it, rank 0 writes). `offload`: {max_memory,
-    offload_folder} for one process whose model does not fit in memory."""
+) -> dict[str, Any] | None:
+    """oneshot and save; returns the experts' token counts (experts.ExpertTokenCounter) when a
+    mixture of experts calibrated. `distributed`: one rank of several (texts: its share); the model
+    is loaded through compressed-tensors' offloading, which keeps one copy of the weights shared by
+    the ranks, and saving is collective (every rank calls it, rank 0 writes). `offload`:
+    {max_memory, offload_folder} for one process whose model does not fit in memory."""
     from llmcompressor import oneshot
     from transformers import AutoTokenizer
 
-    from qserve.quantize.calibration import tokenized_dataset
+    from qserve.quantize import experts
 
     modifiers = build_modifiers(recipe)
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     model = _load_model(model_path, trust_remote_code, distributed, offload)
-    kwargs: dict[str, Any] = {}
-    if texts:
-        seq_len = recipe.seq_len
-        kwargs.update(
-            dataset=tokenized_dataset(texts, tokenizer, seq_len),
-            num_calibration_samples=len(texts),
-            max_seq_length=seq_len,
-            # qserve already drew a seeded sample; keep its order so reruns are reproducible.
-            shuffle_calibration_samples=False,
-            # Layer by layer: calibration memory stays bounded by one decoder layer.
-            pipeline="sequential",
-        )
+    kwargs = _calibration_kwargs(recipe, texts, tokenizer)
+    counter = experts.ExpertTokenCounter(model) if texts else None
     _no_pinned_memory_without_accelerator()
-    oneshot(model=model, recipe=modifiers, **kwargs)
+    try:
+        oneshot(model=model, recipe=modifiers, **kwargs)
+    finally:
+        record = counter.record(recipe.calibration.all_experts) if counter and counter.layers else None
+        if counter:
+            counter.remove()
+    if record and not distributed:  # ranks' counts are checked once added up (distributed.launch)
+        experts.check_every_expert_calibrated(record)
     model.save_pretrained(out_dir, save_compressed=True)
     if not distributed or _rank() == 0:
         tokenizer.save_pretrained(out_dir)
+    return record
+
+
+def _calibration_kwargs(recipe: Recipe, texts: list[str] | None, tokenizer: Any) -> dict[str, Any]:
+    if not texts:
+        return {}
+    from qserve.quantize.calibration import tokenized_dataset
+
+    return {
+        "dataset": tokenized_dataset(texts, tokenizer, recipe.seq_len),
+        "num_calibration_samples": len(texts),
+        "max_seq_length": recipe.seq_len,
+        # qserve already drew a seeded sample; keep its order so reruns are reproducible.
+        "shuffle_calibration_samples": False,
+        # Layer by layer: calibration memory stays bounded by one decoder layer.
+        "pipeline": "sequential",
+        "moe_calibrate_all_experts": recipe.calibration.all_experts,
+    }
 
 
 def _load_model(model_path: Path, trust_remote_code: bool, distributed: bool, offload: dict[str, Any] | None) -> Any:

@@ -41,8 +41,11 @@ def build_config(recipe: Recipe, model_type: str) -> Any:
     )
 
 
-def quantize(model_path: Path, recipe: Recipe, texts: list[str] | None, out_dir: Path, trust_remote_code: bool = False) -> str:
-    """Quantize with Quark in float32 and export safetensors to out_dir; returns the scheme."""
+def quantize(
+    model_path: Path, recipe: Recipe, texts: list[str] | None, out_dir: Path, trust_remote_code: bool = False
+) -> tuple[str, None]:
+    """Quantize with Quark in float32 and export safetensors to out_dir; returns the scheme (and no
+    expert counts: qserve calibrates mixtures of experts through llm-compressor only)."""
     import torch
     from quark.torch import ModelQuantizer, export_safetensors
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -60,7 +63,7 @@ def quantize(model_path: Path, recipe: Recipe, texts: list[str] | None, out_dir:
         model = quantizer.freeze(model)
         export_safetensors(model, out_dir)
     tokenizer.save_pretrained(out_dir)
-    return exported_scheme(out_dir, recipe)
+    return exported_scheme(out_dir, recipe), None
 
 
 def exported_scheme(out_dir: Path, recipe: Recipe) -> str:
