@@ -246,7 +246,7 @@ def _execute(
     trust_remote_code: bool,
     run: Execution,
     nodes: dict[str, Any],
-) -> tuple[str, dict]:
+) -> tuple[str, dict, dict | None]:
     """The library call for the chosen execution path; returns the scheme written, the record of
     how, and a calibrated mixture of experts' token counts."""
     record = run.record()
@@ -262,8 +262,9 @@ def _execute(
         from qserve.quantize import distributed
         from qserve.quantize.backends.llmcompressor import exported_scheme
 
-        record |= distributed.launch(model_path, recipe, texts, out, trust_remote_code, run.nproc, **nodes)
-        return exported_scheme(out, recipe), record, record.pop("experts", None)
+        launched = distributed.launch(model_path, recipe, texts, out, trust_remote_code, run.nproc, **nodes)
+        experts = launched.pop("experts")  # the added-up counts go to the manifest's `experts`
+        return exported_scheme(out, recipe), record | launched, experts
     name, experts = backend_module(recipe.backend).quantize(model_path, recipe, texts, out, trust_remote_code)
     return name, record, experts
 

@@ -138,9 +138,9 @@ def run_oneshot(
     try:
         oneshot(model=model, recipe=modifiers, **kwargs)
     finally:
-        record = counter.record(recipe.calibration.all_experts) if counter and counter.layers else None
         if counter:
             counter.remove()
+    record = counter.record(recipe.calibration.all_experts) if counter and counter.layers else None
     if record and not distributed:  # ranks' counts are checked once added up (distributed.launch)
         experts.check_every_expert_calibrated(record)
     model.save_pretrained(out_dir, save_compressed=True)
