@@ -18,6 +18,7 @@ import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 from qserve import progress
 from qserve.errors import QserveError, Stopped
@@ -49,7 +50,10 @@ def library_output(log_path: Path, verbose: bool = False) -> Iterator[Path]:
     os.dup2(fd, 2)
     os.close(fd)
     done = threading.Event()
-    follower = threading.Thread(target=_follow, args=(log_path, done, verbose), daemon=True)
+    # Opened here, not in the thread: a run that fails at once removes its empty log (_point_at)
+    # before a thread might have opened it (seen: a FileNotFoundError traceback under the error line).
+    reader = log_path.open("rb")
+    follower = threading.Thread(target=_follow, args=(reader, done, verbose), daemon=True)
     follower.start()
     previous = progress.use_terminal(terminal)
     try:
@@ -92,11 +96,11 @@ def _first_line(exc: BaseException) -> str:
     return lines[0][:300] if lines else "no message"
 
 
-def _follow(log_path: Path, done: threading.Event, echo: bool) -> None:
+def _follow(reader: BinaryIO, done: threading.Event, echo: bool) -> None:
     """Read the log as it grows: copy whole lines to the terminal when verbose (never half a line
     between two of qserve's), else report tqdm counts."""
     pending = b""
-    with log_path.open("rb") as log:
+    with reader as log:
         while True:
             finished = done.is_set()  # read once more after the end: nothing written last is missed
             pending += log.read()

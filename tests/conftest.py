@@ -153,6 +153,10 @@ def checkpoints(request, tmp_path_factory, embedded_model_dir) -> dict[str, Path
             self[name] = quantize_in_process(recipe_for_tests(name, root), root / name)
             return self[name]
 
+        def recipe(self, name: str) -> Path:
+            """The recipe file `name`'s checkpoint is made from (a SHRUNK one written to the session's folder)."""
+            return recipe_for_tests(name, root)
+
     return Lazy()
 
 
@@ -169,7 +173,7 @@ def quantize_in_process(recipe: Path, out: Path) -> Path:
 
 # Recipes added for the scheme matrix calibrate on less data in tests (same schema, scheme and
 # code path; the shipped counts are for quality): keeps the suite's wall time in check.
-SHRUNK = {"w4a16-awq", "w4a16-fp8kv", "fp8-static", "quark-fp8-kv", "nvfp4"}
+SHRUNK = {"w4a16-awq", "w4a16-fp8kv", "fp8-static", "quark-fp8-kv", "nvfp4", "w4a16-gptq"}
 
 
 def recipe_for_tests(name: str, root: Path) -> Path:
@@ -243,7 +247,9 @@ class DemoRun:
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory) -> DemoRun:
     """The demo, exactly: its recipe quantized, gated at the default 0.95 recovery on its tasks and
-    limit, and served; stopped by SIGTERM once the server answered."""
+    limit, and served; stopped by SIGTERM once the server answered. Not started in the background
+    beside other tests: tried, two processes of torch work on 2 cores slowed its quantize from
+    ~65 s to 9 min 18 s (their OpenMP threads contend)."""
     return DemoRun(tmp_path_factory.mktemp("demo") / f"out-{Path(DEMO_RECIPE).stem}")
 
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import CACHE_DIR, EVAL_LIMIT, REPO, copy_checkpoint, run_qserve, run_qserve_in_process
+from conftest import CACHE_DIR, EVAL_LIMIT, copy_checkpoint, run_qserve, run_qserve_in_process
 
 from qserve.checkpoint.manifest import EVAL_NAME
 from qserve.checkpoint.tensors import quantized_layer_bytes
@@ -28,7 +28,7 @@ def test_compare_shares_one_cached_baseline_and_writes_table_plot_json(checkpoin
     # W4A16 rather than FP8: FP8 decodes at 0.11x on this CPU, and the decode measurement is the slow part.
     for name in ("w4a16-gptq", "w8a8-int8"):
         copy_checkpoint(checkpoints[name], out / f"out-{name}")
-    recipes = [REPO / "recipes" / "w4a16-gptq.yaml", REPO / "recipes" / "w8a8-int8.yaml"]
+    recipes = [checkpoints.recipe("w4a16-gptq"), checkpoints.recipe("w8a8-int8")]  # what the copies were made from
     # An empty baseline cache of its own (the converted model shared): the first recipe's eval runs
     # the baseline, the second reuses it.
     cache = tmp_path / "cache"

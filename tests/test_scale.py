@@ -229,11 +229,11 @@ def test_two_process_gptq_matches_the_single_process_checkpoint(checkpoints, emb
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from safetensors.torch import load_file
 
-    proc = run_qserve("quantize", REPO / "recipes" / "w4a16-gptq.yaml", "--nproc", "2", "--output", tmp_path / "ddp")
+    proc = run_qserve("quantize", checkpoints.recipe("w4a16-gptq"), "--nproc", "2", "--output", tmp_path / "ddp")
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = read_manifest(tmp_path / "ddp").execution
-    assert record["path"] == "distributed" and record["samples_per_rank"] == [16, 16]
-    assert [r["samples"] for r in record["ranks"]] == [16, 16]
+    assert record["path"] == "distributed" and record["samples_per_rank"] == [4, 4]  # 8 samples (conftest.SHRUNK)
+    assert [r["samples"] for r in record["ranks"]] == [4, 4]
     one, two = (load_file(p / "model.safetensors") for p in (checkpoints["w4a16-gptq"], tmp_path / "ddp"))
     source = load_file(embedded_model_dir / "model.safetensors")
     assert sorted(one) == sorted(two)
@@ -254,11 +254,14 @@ def test_two_process_gptq_matches_the_single_process_checkpoint(checkpoints, emb
 # Not bit-exact, by the arithmetic: each rank sums its share's Hessian, then the ranks' sums are
 # added (another order of the same float sums). GPTQ's rounding is sequential with error feedback,
 # so a flipped decision moves the codes after it, and a layer's changed codes change the inputs
-# every later layer is calibrated on. Measured on the embedded model (w4a16-gptq, 32
-# samples, 1 vs 2 processes): scales identical; 17.5 % of int4 codes differ, 0.20 % by more than
-# one step; per layer, the 2-process weights' distance from the source is 0.992x to 1.005x the
-# 1-process one's. The bounds below leave room over those figures, not over a different solution.
-DDP_MAX_BEYOND_ONE_STEP = 0.005
+# every later layer is calibrated on. Measured on the embedded model (w4a16-gptq, 1 vs 2
+# processes): with the shipped 32 samples of 256 tokens, scales identical, 17.5 % of int4 codes
+# differ, 0.20 % by more than one step, per-layer distance ratio 0.992 to 1.005; with the 8 samples
+# of 128 tokens this test runs (conftest.SHRUNK; 2026-11-23, AMD EPYC), scales identical, 26.2 %
+# differ, 1.06 % by more than one step, ratio 0.994 to 1.011 (fewer tokens: a less determined
+# Hessian, more equally good roundings). The bounds leave room over those figures, not over a
+# different solution.
+DDP_MAX_BEYOND_ONE_STEP = 0.02
 DDP_ERROR_RATIO = (0.98, 1.02)
 
 

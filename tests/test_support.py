@@ -40,15 +40,17 @@ EXPECTED = {
     "nvfp4": ("NVFP4", "compressed-tensors", "auto"),
     "nvfp4a16": ("NVFP4A16", "compressed-tensors", "auto"),
     "w4afp8": ("W4AFP8", "compressed-tensors", "auto"),
+    "w8a8-int8-2of4": ("W8A8", "compressed-tensors", "auto"),  # dense W8A8 to vLLM (test_sparsity.py)
 }
 # The recipes that calibrate (the others are data-free, including the plain FP8-dynamic one).
 CALIBRATED = {"fp8-static", "w8a8-int8", "smollm2-tuned", "w4a16-gptq", "w4a16-awq", "w4a16-fp8kv", "quark-fp8-kv", "nvfp4"}
+CALIBRATED |= {"w8a8-int8-2of4"}
 # Parity for the older recipes is in test_engine; w4a16-fp8kv's in test_eval_checks_the_fp8_kv_scales_arrived.
 # The plain-recipe FP8_DYNAMIC checkpoint records the same (method, scheme) as `fp8`, whose parity
 # test_engine checks; it is only quantized here (FP8 decodes at ~30 s a token on this CPU).
 # FP8_BLOCK's CPU kernel needs AMX tiles: runnable (parity) on an AMX CPU, probed to fail without.
 AMX = "amx_tile" in detect.cpu_flags()
-RUNNABLE_NEW = ["w4a16-awq", "quark-w4a16", *(["fp8-block"] if AMX else [])]
+RUNNABLE_NEW = ["w4a16-awq", "quark-w4a16", "w8a8-int8-2of4", *(["fp8-block"] if AMX else [])]
 # Runnable matrix entries are proven by parity tests (vLLM loads them and matches transformers):
 PARITY_TESTED = ["fp8", "llmcompressor-fp8-dynamic", "w8a8-int8", "smollm2-tuned", "w4a16-gptq", "w4a16-fp8kv", *RUNNABLE_NEW]
 # the others by a probe that must see vLLM fail (plus one runnable, so the probe is seen to pass too).

@@ -155,7 +155,7 @@ def test_tune_finds_a_smaller_mix_that_passes_in_vllm_and_its_recipe_remakes_it(
          "error: mixing W8A8 with MXFP4 was never seen to run in vLLM here; runnable partners: W4A16"),
         (["recipes/w8a8-int8.yaml", "--objective", "speed"], "error: objective must be bytes or throughput, not 'speed'"),
         (["recipes/quark-w4a16.yaml"],
-         "error: qserve tune starts from an llm-compressor recipe with one scheme (no overrides, no kv_cache)"),
+         "error: qserve tune starts from an llm-compressor recipe with one scheme (no overrides, kv_cache or sparsity)"),
     ],
 )  # fmt: skip
 def test_tune_refuses_what_it_cannot_search_in_one_line(args: list[str], message: str, tmp_path: Path) -> None:

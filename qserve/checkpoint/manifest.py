@@ -66,6 +66,8 @@ class Manifest(BaseModel):
     # Mixture of experts only: experts per layer and per token, and when calibrated, per MoE layer
     # the tokens the router sent each expert and the tokens each expert calibrated on.
     experts: dict[str, Any] | None = None
+    # 2:4-sparse recipes only: the structure, checked in the exported weights, and the zeros' share.
+    sparsity: dict[str, Any] | None = None
 
 
 def library_versions() -> dict[str, str]:

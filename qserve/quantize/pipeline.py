@@ -24,6 +24,7 @@ from qserve.errors import QserveError, is_out_of_memory
 from qserve.progress import info, step
 from qserve.quantize.execution import Execution, choose, memory_limit_bytes, offload_budget, peak_rss_mib, shard_count
 from qserve.quantize.recipe import DEFAULT_CALIBRATION, CalibrationSpec, Recipe, load_recipe
+from qserve.quantize.sparsity import check_structured_sparsity
 
 CANDIDATE_GROUP_SIZES = (32, 64, 128, 256)
 
@@ -160,6 +161,7 @@ def _run(
                 raise QserveError(_out_of_memory(run.path, recipe)) from None
             raise
     scheme = SCHEMES[name]
+    sparsity = check_structured_sparsity(partial, recipe.sparsity) if recipe.sparsity else None
     with step("hashing checkpoint files"):
         files = hash_files(partial)
     manifest = Manifest(
@@ -185,6 +187,7 @@ def _run(
         environment=environment(ref.path),
         execution=execution,
         experts=_experts_record(ref.path, trust_remote_code, counts),
+        sparsity=sparsity,
     )
     write_manifest(partial, manifest)
     return manifest

@@ -141,6 +141,11 @@ class Recipe(_Strict):
     )
     group_size: int | None = Field(None, gt=0, description="override the preset's weight group size")
     smoothquant: float | None = Field(None, gt=0, lt=1, description="SmoothQuant strength before quantizing")
+    sparsity: Literal["2:4"] | None = Field(
+        None,
+        description="prune every quantized Linear to 2 nonzero weights in each 4 with SparseGPT before quantizing "
+        "(needs calibration; vLLM 0.32 runs the result with its dense kernels)",
+    )
     ignore: list[str] = Field(default_factory=lambda: ["lm_head"])
     overrides: list[LayerOverride] = Field(
         default_factory=list, description="layers quantized with another scheme (a per-layer mix; llmcompressor only)"
@@ -193,6 +198,8 @@ class Recipe(_Strict):
     def _consistent(self) -> Recipe:
         if (self.scheme is None) == (self.modifiers is None):
             raise InvalidSpec("give either scheme or modifiers (an llm-compressor recipe)")
+        if self.modifiers is not None and self.sparsity is not None:
+            raise InvalidSpec("sparsity goes with scheme; with modifiers, put SparseGPTModifier in them")
         if self.modifiers is not None:
             if self.backend != "llmcompressor":
                 raise InvalidSpec("modifiers are llm-compressor's; they need backend: llmcompressor")
@@ -201,6 +208,7 @@ class Recipe(_Strict):
         if MIX_SEPARATOR in scheme.name:
             raise InvalidSpec(f"{scheme.name} is a per-layer mix: give one scheme and list the other's layers under overrides")
         self._check_overrides()
+        self._check_sparsity()
         if self.backend == "quark" and (self.algorithm != "rtn" or self.smoothquant or self.algorithm_options):
             raise InvalidSpec(
                 "with backend quark, qserve runs Quark's plain (rtn) quantization: drop algorithm, algorithm_options, smoothquant"
@@ -212,6 +220,21 @@ class Recipe(_Strict):
         if self.algorithm == "awq" and scheme.activations != "fp16":
             raise InvalidSpec(f"awq protects weight-only schemes; {self.scheme} quantizes activations too")
         return self
+
+    def _check_sparsity(self) -> None:
+        if self.sparsity is None:
+            return
+        if self.backend != "llmcompressor":
+            raise InvalidSpec("sparsity 2:4 is llm-compressor's SparseGPT; it needs backend: llmcompressor")
+        if self.algorithm != "rtn":
+            # Round to nearest maps a pruned 0 to 0; GPTQ's error feedback and AWQ's scaling would move it.
+            raise InvalidSpec(
+                f"sparsity 2:4 is quantized with rtn, which keeps the pruned zeros; drop algorithm {self.algorithm}"
+            )
+        if self.overrides or self.kv_cache is not None:
+            raise InvalidSpec("sparsity with overrides or kv_cache was never run on vLLM by qserve; drop one")
+        if SCHEMES[self.scheme].weight_bits != 8:
+            raise InvalidSpec(f"sparsity 2:4 is offered with 8-bit weights (FP8 or INT8 schemes), not {self.scheme}")
 
     def _check_overrides(self) -> None:
         if not self.overrides:
@@ -233,6 +256,7 @@ class Recipe(_Strict):
         reasons = [
             f"algorithm {self.algorithm}" * (self.algorithm != "rtn"),
             "smoothquant" * (self.smoothquant is not None),
+            "sparsity 2:4 (SparseGPT)" * (self.sparsity is not None),
             f"{self.scheme}'s static activation scales" * bool(self.scheme and SCHEMES[self.scheme].needs_calibration),
             "kv_cache scales" * (self.kv_cache is not None),
         ]
@@ -262,7 +286,7 @@ class Recipe(_Strict):
     @property
     def label(self) -> str:
         """What the recipe does, for progress lines."""
-        what = self.target_scheme or "llm-compressor modifiers"
+        what = (self.target_scheme or "llm-compressor modifiers") + f" {self.sparsity}-sparse" * bool(self.sparsity)
         return f"{what} with {self.backend}" + (f" ({self.algorithm})" if self.scheme else "")
 
 

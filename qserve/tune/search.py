@@ -46,8 +46,8 @@ def smaller_scheme(recipe: Recipe, low: str | None, kind: str) -> str:
     """The scheme the least sensitive groups move to: `low`, or the one a runnable mix pairs with the recipe's."""
     from qserve.device.support import support_for
 
-    if recipe.backend != "llmcompressor" or recipe.scheme is None or recipe.overrides or recipe.kv_cache:
-        raise InvalidSpec("qserve tune starts from an llm-compressor recipe with one scheme (no overrides, no kv_cache)")
+    if recipe.backend != "llmcompressor" or recipe.scheme is None or recipe.overrides or recipe.kv_cache or recipe.sparsity:
+        raise InvalidSpec("qserve tune starts from an llm-compressor recipe with one scheme (no overrides, kv_cache or sparsity)")
     runnable = [
         n for n in SCHEMES
         if "+" in n and recipe.scheme in n.split("+") and support_for("compressed-tensors", n, kind).runs

@@ -13,8 +13,9 @@ from qserve.quantize.recipe import Recipe
 QUANTIZATION_METHOD = "compressed-tensors"  # vLLM's name for checkpoints this backend writes
 
 
-def build_modifiers(recipe: Recipe) -> Any:
-    """The llm-compressor modifiers a qserve recipe stands for (a plain recipe's own, as YAML)."""
+def build_modifiers(recipe: Recipe, model: Any = None) -> Any:
+    """The llm-compressor modifiers a qserve recipe stands for (a plain recipe's own, as YAML);
+    `model` (loaded) is needed by a sparsity recipe only."""
     if recipe.modifiers is not None:
         return _checked_plain_recipe(recipe.modifiers)
     from compressed_tensors.quantization import QuantizationArgs
@@ -32,6 +33,8 @@ def build_modifiers(recipe: Recipe) -> Any:
     try:
         if recipe.smoothquant is not None:
             modifiers.append(SmoothQuantModifier(smoothing_strength=recipe.smoothquant))
+        if recipe.sparsity is not None:
+            modifiers.append(_sparsegpt(recipe, model))
         if recipe.algorithm == "awq":
             # Current llm-compressor: AWQ only smooths; a quantization modifier after it quantizes.
             modifiers.append(AWQModifier(**options))
@@ -40,6 +43,19 @@ def build_modifiers(recipe: Recipe) -> Any:
     except (TypeError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
         raise QserveError(f"algorithm_options for {recipe.algorithm}: {_first_line(exc)}") from None
     return modifiers
+
+
+def _sparsegpt(recipe: Recipe, model: Any) -> Any:
+    """SparseGPT to N:M (2:4: half the weights, two in each run of four along the input dim) on the
+    Linears inside the decoder layers. Targeting "Linear" itself would make each Linear its own
+    "layer", named with a trailing dot ("lm_head."), which an ignore entry "lm_head" does not match:
+    tried, it pruned SmolLM2's lm_head and so its tied embeddings."""
+    from llmcompressor.modifiers.pruning.sparsegpt import SparseGPTModifier
+    from llmcompressor.utils.pytorch.module import infer_sequential_targets
+
+    n, m = map(int, recipe.sparsity.split(":"))
+    layers = infer_sequential_targets(model)
+    return SparseGPTModifier(sparsity=1 - n / m, mask_structure=recipe.sparsity, targets=layers, ignore=list(recipe.ignore))
 
 
 def config_groups(recipe: Recipe) -> dict[str, Any]:
@@ -129,9 +145,9 @@ def run_oneshot(
 
     from qserve.quantize import experts
 
-    modifiers = build_modifiers(recipe)
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     model = _load_model(model_path, trust_remote_code, distributed, offload)
+    modifiers = build_modifiers(recipe, model)
     kwargs = _calibration_kwargs(recipe, texts, tokenizer)
     counter = experts.ExpertTokenCounter(model) if texts else None
     _no_pinned_memory_without_accelerator()
