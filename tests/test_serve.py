@@ -70,8 +70,9 @@ def test_serve_answers_chat_completions(server) -> None:
 
 @pytest.mark.slow
 def test_serve_refuses_requests_without_the_key(server) -> None:
-    server.wait()
     import openai
+
+    server.wait()
 
     for key in ("", "wrong-key"):
         with pytest.raises(openai.AuthenticationError):

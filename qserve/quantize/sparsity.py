@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ def check_structured_sparsity(ckpt: Path, structure: str) -> dict[str, Any]:
     return {"structure": structure, "algorithm": "sparsegpt", "layers": layers, "zero_fraction": round(zeros / total, 4)}
 
 
-def _quantized_weights(ckpt: Path):
+def _quantized_weights(ckpt: Path) -> Iterator[tuple[str, Any]]:
     """(layer name, weight) for each weight stored beside a quantization scale."""
     from safetensors import safe_open
 
