@@ -22,7 +22,15 @@ from qserve.checkpoint.records import write_text
 from qserve.checkpoint.schemes import SCHEMES
 from qserve.errors import QserveError, is_out_of_memory
 from qserve.progress import info, step
-from qserve.quantize.execution import Execution, choose, memory_limit_bytes, offload_budget, peak_rss_mib, shard_count
+from qserve.quantize.execution import (
+    Execution,
+    choose,
+    memory_limit_bytes,
+    offload_budget,
+    peak_rss_mib,
+    return_freed_weights_to_the_system,
+    shard_count,
+)
 from qserve.quantize.recipe import DEFAULT_CALIBRATION, CalibrationSpec, Recipe, load_recipe
 from qserve.quantize.sparsity import check_structured_sparsity
 
@@ -218,6 +226,7 @@ def _offloaded(
     """oneshot with the weights beyond this machine's memory on disk, in a folder removed afterwards."""
     from qserve.quantize.backends.llmcompressor import exported_scheme, run_oneshot
 
+    return_freed_weights_to_the_system()
     folder = Path(tempfile.mkdtemp(prefix=f".{out.name}.offload-", dir=out.parent))
     try:
         offload = {"max_memory": {"cpu": offload_budget()}, "offload_folder": str(folder)}

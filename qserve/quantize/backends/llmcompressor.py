@@ -159,7 +159,10 @@ def run_oneshot(
     record = counter.record(recipe.calibration.all_experts) if counter and counter.layers else None
     if record and not distributed:  # ranks' counts are checked once added up (distributed.launch)
         experts.check_every_expert_calibrated(record)
-    model.save_pretrained(out_dir, save_compressed=True)
+    # Offloaded: transformers gathers each output shard in memory before writing it, and
+    # llm-compressor's default shard (20 GB) is the whole model; keep each within the budget.
+    shard = {"max_shard_size": offload["max_memory"]["cpu"]} if offload else {}
+    model.save_pretrained(out_dir, save_compressed=True, **shard)
     if not distributed or _rank() == 0:
         tokenizer.save_pretrained(out_dir)
     return record
