@@ -237,7 +237,7 @@ def _check_vllm_runs(ckpt: Path) -> None:
 
 # 1.25 GiB: under the 1.3 GiB model below, over what offloaded GPTQ needed here (peak RSS 1130 MiB,
 # file-backed pages included). The same recipe with `execution: in_memory` under this limit was
-# killed by the kernel at decoder layer 19 of 40 (2026-11-24; README, "Scale").
+# killed by the kernel after 19 of its 40 decoder layers (2026-11-24; README, "Scale").
 OFFLOAD_LIMIT_BYTES = 1280 << 20
 
 
