@@ -150,7 +150,7 @@ def checkpoints(request, tmp_path_factory, embedded_model_dir) -> dict[str, Path
             if name == Path(DEMO_RECIPE).stem:
                 self[name] = request.getfixturevalue("demo_run").ckpt
                 return self[name]
-            self[name] = quantize_in_process(recipe_for_tests(name, root), root / name)
+            self[name] = quantize_in_process(self.recipe(name), root / name)
             return self[name]
 
         def recipe(self, name: str) -> Path:

@@ -19,38 +19,44 @@ from conftest import (
 
 
 @pytest.fixture(scope="module")
-def server(passed_eval, tmp_path_factory):
+def starting_server(passed_eval, tmp_path_factory):
     """The gated checkpoint, signed after its gate, served only because the signature verifies."""
     private, public = make_keys(tmp_path_factory.mktemp("keys"), "owner")
     proc = run_qserve("sign", passed_eval[0], "--private-key", private)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    srv = Server(passed_eval[0], "--verify-key", str(public), wait=False)  # tests that need it answering call wait()
+    srv = Server(passed_eval[0], "--verify-key", str(public), wait=False)  # answering: the `server` fixture
     yield srv
     srv.close()
 
 
+@pytest.fixture
+def server(starting_server):
+    """The module's server once it answers (the tests that run while it starts take `starting_server`)."""
+    starting_server.wait()
+    return starting_server
+
+
 @pytest.mark.slow
-def test_serve_refuses_a_signature_by_another_key(server, tmp_path: Path) -> None:
+def test_serve_refuses_a_signature_by_another_key(starting_server, tmp_path: Path) -> None:
     _, stranger = make_keys(tmp_path, "stranger")
-    proc = run_qserve("serve", server.ckpt, "--port", str(free_port()), "--verify-key", stranger)
+    proc = run_qserve("serve", starting_server.ckpt, "--port", str(free_port()), "--verify-key", stranger)
     assert proc.returncode == 1
     assert (
         proc.stderr.strip()
         .splitlines()[-1]
-        .startswith(f"error: signature check of {server.ckpt} against {stranger} failed: Key mismatch")
+        .startswith(f"error: signature check of {starting_server.ckpt} against {stranger} failed: Key mismatch")
     )
 
 
 @pytest.mark.slow
-def test_served_text_equals_the_eval_engines(server) -> None:
+def test_served_text_equals_the_eval_engines(starting_server) -> None:
     """The serve matrix's check (test_serve_matrix.py) for INT8 W8A8, the demo's scheme, on this server (its
     eval engine answers while vLLM's server starts)."""
-    assert_served_text_equals_the_eval_engines(server)
+    assert_served_text_equals_the_eval_engines(starting_server)
 
 
 @pytest.mark.slow
 def test_serve_prints_endpoint_and_curl(server) -> None:
-    server.wait()
     assert server.ready_line == f"serving {server.ckpt.name} at {server.base_url}\n"
     assert server.curl_line.startswith(f"curl {server.base_url}/chat/completions")
     assert "Authorization: Bearer $QSERVE_API_KEY" in server.curl_line and API_KEY not in server.curl_line
@@ -58,7 +64,6 @@ def test_serve_prints_endpoint_and_curl(server) -> None:
 
 @pytest.mark.slow
 def test_serve_answers_chat_completions(server) -> None:
-    server.wait()
     reply = server.client().chat.completions.create(
         model=server.ckpt.name,
         messages=[{"role": "user", "content": "What is the capital of France?"}],
@@ -71,8 +76,6 @@ def test_serve_answers_chat_completions(server) -> None:
 @pytest.mark.slow
 def test_serve_refuses_requests_without_the_key(server) -> None:
     import openai
-
-    server.wait()
 
     for key in ("", "wrong-key"):
         with pytest.raises(openai.AuthenticationError):
@@ -97,7 +100,6 @@ def _one_request(client, model: str, kind: str) -> str:
 @pytest.mark.slow
 def test_serve_survives_a_concurrent_burst(server) -> None:
     """A bounded burst on loopback: 32 requests, 8 at a time, chat and completions, streaming or not."""
-    server.wait()
     from concurrent.futures import ThreadPoolExecutor
 
     kinds = ["chat", "chat-stream", "completion", "completion-stream"] * 8
@@ -110,7 +112,6 @@ def test_serve_survives_a_concurrent_burst(server) -> None:
 @pytest.mark.slow
 def test_every_route_that_runs_the_model_needs_the_key(server) -> None:
     """vLLM's own key check covers /v1 and a few prefixes; qserve's middleware closes /invocations and the rest."""
-    server.wait()
     import requests
 
     root = server.base_url.removesuffix("/v1")

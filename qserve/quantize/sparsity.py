@@ -9,6 +9,12 @@ from typing import Any
 from qserve.errors import QserveError
 
 
+def n_of_m(structure: str) -> tuple[int, int]:
+    """ "2:4" -> (2, 4): at most N nonzero weights in each run of M."""
+    n, m = structure.split(":")
+    return int(n), int(m)
+
+
 def check_structured_sparsity(ckpt: Path, structure: str) -> dict[str, Any]:
     """The manifest's `sparsity`, read back from the safetensors: every quantized layer must have at
     most N nonzero weights in each run of M along its input dim; an error names the layers that do not.
@@ -16,7 +22,7 @@ def check_structured_sparsity(ckpt: Path, structure: str) -> dict[str, Any]:
     Checked rather than trusted: llm-compressor 0.14 saves the pruned weights dense (compressed-tensors
     0.19 dropped sparse compression), so nothing else would notice a layer that lost its mask.
     """
-    n, m = map(int, structure.split(":"))
+    n, m = n_of_m(structure)
     layers, zeros, total, broken = 0, 0, 0, []
     for name, weight in _quantized_weights(ckpt):
         values = weight.float()

@@ -53,7 +53,9 @@ def _sparsegpt(recipe: Recipe, model: Any) -> Any:
     from llmcompressor.modifiers.pruning.sparsegpt import SparseGPTModifier
     from llmcompressor.utils.pytorch.module import infer_sequential_targets
 
-    n, m = map(int, recipe.sparsity.split(":"))
+    from qserve.quantize.sparsity import n_of_m
+
+    n, m = n_of_m(recipe.sparsity)
     layers = infer_sequential_targets(model)
     return SparseGPTModifier(sparsity=1 - n / m, mask_structure=recipe.sparsity, targets=layers, ignore=list(recipe.ignore))
 
