@@ -324,3 +324,12 @@ class Server:
         if self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(timeout=GRACE_SECONDS + 30)
+
+
+def gate_record(task: str = "gsm8k_ppl", items: int = 100, criteria: dict | None = None, status: str = "pass", **kw) -> dict:
+    """A record's gate as `qserve eval` writes it: perplexity 10 -> 10.1, allowance from its criteria."""
+    criteria = criteria or {"min_recovery": 0.95}
+    allowed = 10.0 * (1 / criteria["min_recovery"] - 1) if "min_recovery" in criteria else 10.0 * criteria["max_increase"]
+    return {"task": task, "metric": "word_perplexity,none", "higher_is_better": False, "baseline": 10.0, "quantized": 10.1,
+            "baseline_stderr": None, "quantized_stderr": None, "recovery": 10 / 10.1, "degradation": 0.1, "degradation_stderr": 0.02,
+            "criteria": criteria, "allowed_degradation": allowed, "status": status, "reason": "r", "items": items, "signal": True} | kw  # fmt: skip

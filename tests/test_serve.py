@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -197,4 +198,21 @@ def test_serve_refuses_contradicting_pass_through(passed_eval) -> None:
         proc.stderr.strip()
         .splitlines()[-1]
         .startswith("error: --kv-cache-dtype fp8 contradicts the checkpoint, which needs --kv-cache-dtype auto")
+    )
+
+
+@pytest.mark.slow
+def test_serve_refuses_a_gate_looser_than_the_recipe(passed_eval, tmp_path: Path) -> None:
+    """The issue's case: a record that passed at max_increase 1 (+100 %) while the recipe declares 0.95."""
+    ckpt = copy_checkpoint(passed_eval[0], tmp_path / "ckpt")
+    record = json.loads((ckpt / "qserve_eval.json").read_text())
+    (gate,) = [g for g in record["gates"] if g["task"] == "gsm8k_ppl"]
+    gate["criteria"] = {"max_increase": 1.0}  # what `--gate gsm8k_ppl:max_increase=1` records
+    (ckpt / "qserve_eval.json").write_text(json.dumps(record))
+    proc = run_qserve("serve", ckpt, "--port", str(free_port()))
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: the gate record does not meet the policy of recipe w8a8-int8: gsm8k_ppl word_perplexity,none was gated at "
+        "{'max_increase': 1.0}, looser than the policy's {'min_recovery': 0.95} (re-run `qserve eval` with the policy's gates "
+        "and --limit, or pass --accept-gate-difference)"
     )

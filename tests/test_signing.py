@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import make_keys, run_qserve
+from conftest import gate_record, make_keys, run_qserve
 
 from qserve.checkpoint.manifest import EVAL_NAME, SIGNATURE_NAME, Manifest, VllmArgs, hash_files, manifest_digest, write_manifest
 from qserve.checkpoint.signing import sign, verify
@@ -27,7 +27,8 @@ def _gated_checkpoint(root: Path, verdict: str = "pass") -> Path:
         vllm_args=VllmArgs(quantization="compressed-tensors"), timings={}, files=hash_files(ckpt),
     )  # fmt: skip
     write_manifest(ckpt, manifest)
-    record = {"verdict": verdict, "manifest_sha256": manifest_digest(ckpt), "decided_at": "2026-11-22T00:00:00+00:00"}
+    record = {"verdict": verdict, "manifest_sha256": manifest_digest(ckpt), "decided_at": "2026-11-22T00:00:00+00:00",
+              "gates": [gate_record("gsm8k")]}  # fmt: skip
     (ckpt / EVAL_NAME).write_text(json.dumps(record))
     return ckpt
 

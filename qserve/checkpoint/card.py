@@ -8,16 +8,17 @@ from typing import Any
 
 from qserve.checkpoint.manifest import CARD_NAME, Manifest
 
-__all__ = ["CARD_NAME", "gate_rows", "md_table", "model_card", "vllm_serve_command"]
+__all__ = ["CARD_NAME", "gate_rows", "md_table", "model_card", "text_table", "vllm_serve_command"]
 
 
 def gate_rows(summary: dict[str, Any]) -> list[tuple[str, ...]]:
-    rows = [("task", "metric", "baseline", "quantized", "recovery", "degradation", "allowed", "status")]
+    rows = [("task", "metric", "n", "baseline", "quantized", "recovery", "degradation", "allowed", "status")]
     for g in summary["gates"]:
         rows.append(
             (
                 g["task"],
                 g["metric"] + ("" if g["higher_is_better"] else " (lower is better)"),
+                str(g.get("items") or "?"),
                 _with_err(g["baseline"], g["baseline_stderr"]),
                 _with_err(g["quantized"], g["quantized_stderr"]),
                 "n/a" if g["recovery"] is None else f"{g['recovery']:.3f}",
@@ -57,6 +58,7 @@ def model_card(ckpt: Path, manifest: Manifest, summary: dict[str, Any] | None) -
             "",
         ]
         lines += md_table(gate_rows(summary)) + [""]
+        lines += [_waiver_line(w) for w in summary.get("waivers") or []]
         if summary.get("emulated"):
             lines += ["Scores are **emulated** (transformers), not from vLLM.", ""]
     lines += [
@@ -70,6 +72,11 @@ def model_card(ckpt: Path, manifest: Manifest, summary: dict[str, Any] | None) -
         "",
     ]
     return "\n".join(lines)
+
+
+def _waiver_line(waiver: dict[str, Any]) -> str:
+    how = f"`qserve {waiver['accepted_by']} --accept-gate-difference`, policy of {waiver['policy']}"
+    return f"**Gate below its policy, accepted by the operator** ({how}): {'; '.join(waiver['differences'])}.\n"
 
 
 def vllm_serve_command(ckpt: Path, manifest: Manifest) -> list[str]:
@@ -94,6 +101,14 @@ def _origin(source: dict) -> str:
     if source.get("kind") == "generate":
         return "text the model generated itself"
     return f"`{source.get('path') or source.get('dataset')}`"
+
+
+def text_table(rows: list[tuple[str, ...]]) -> list[str]:
+    """Rows as aligned terminal lines, the header underlined."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
 
 
 def md_table(rows: list[tuple[str, ...]]) -> list[str]:

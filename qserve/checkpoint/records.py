@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from qserve import paths
-from qserve.checkpoint.manifest import EVAL_NAME, manifest_digest
+from qserve.checkpoint import policy as gate_policy
+from qserve.checkpoint.manifest import CARD_NAME, EVAL_NAME, manifest_digest, read_manifest
 from qserve.errors import QserveError
 from qserve.progress import info
 
@@ -36,8 +37,10 @@ def read_eval(ckpt: Path) -> dict[str, Any] | None:
         raise QserveError(f"{path} is corrupt; run `qserve eval` again") from None
 
 
-def check_gate(ckpt: Path) -> str:
-    """Raise unless this exact checkpoint passed `qserve eval`; returns when it was decided."""
+def check_gate(ckpt: Path, policy_file: Path | None = None, accept_difference: bool = False, by: str = "serve") -> str:
+    """Raise unless this exact checkpoint passed `qserve eval` with gates that meet its policy (the
+    recipe's gates, or `policy_file`); returns when it was decided. A difference the operator
+    accepts is written into the eval record and the model card (once)."""
     result = read_eval(ckpt)
     if result is None:
         raise QserveError(f"{ckpt} has no accuracy gate result; run `qserve eval {ckpt}` first (or pass --skip-gate)")
@@ -49,7 +52,25 @@ def check_gate(ckpt: Path) -> str:
         raise QserveError(
             f"{ckpt} did not pass its accuracy gate (verdict: {result.get('verdict')}); see `qserve eval {ckpt}` (or pass --skip-gate)"
         )
+    manifest = read_manifest(ckpt)
+    policy = gate_policy.read_policy(policy_file) if policy_file else gate_policy.recipe_policy(manifest.recipe)
+    accepted = gate_policy.check(result, policy, accept_difference)
+    if accepted:
+        _record_waiver(ckpt, result, {"accepted_by": by, "policy": policy.source, "differences": accepted})
     return str(result.get("decided_at"))
+
+
+def _record_waiver(ckpt: Path, record: dict[str, Any], waiver: dict[str, Any]) -> None:
+    """The operator accepted a gate looser than the policy: say so in the record and the card, once."""
+    from qserve.checkpoint.card import model_card
+
+    info(f"warning: --accept-gate-difference: {'; '.join(waiver['differences'])}")
+    waivers = record.setdefault("waivers", [])
+    if any(w["differences"] == waiver["differences"] and w["policy"] == waiver["policy"] for w in waivers):
+        return  # already recorded (and perhaps signed): rewriting would break the signature
+    waivers.append(waiver)
+    write_json(ckpt / EVAL_NAME, record)
+    write_text(ckpt / CARD_NAME, model_card(ckpt, read_manifest(ckpt), record))
 
 
 def resolve_checkpoint(checkpoint: str | Path | None) -> Path:

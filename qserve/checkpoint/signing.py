@@ -23,10 +23,13 @@ from qserve.errors import QserveError
 UNSIGNED = (SIGNATURE_NAME, *sorted(RECORD_DIRS))
 
 
-def sign(ckpt: Path, private_key: Path, password: str | None = None) -> Path:
-    """Sign a checkpoint whose files match its manifest and whose gate passed; returns the signature path."""
+def sign(
+    ckpt: Path, private_key: Path, password: str | None = None, policy: Path | None = None, accept_gate_difference: bool = False
+) -> Path:
+    """Sign a checkpoint whose files match its manifest and whose gate passed and meets its policy;
+    returns the signature path."""
     verify_files(ckpt, read_manifest(ckpt))
-    check_gate(ckpt)
+    check_gate(ckpt, policy, accept_gate_difference, by="sign")
     _readable(private_key, "--private-key")
     from model_signing import signing
 

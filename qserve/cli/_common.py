@@ -139,6 +139,21 @@ def split(value: str | None) -> list[str] | None:
     return [v.strip() for v in value.split(",") if v.strip()] if value else None
 
 
+PolicyOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--policy",
+        help="YAML gate policy (gates: as in a recipe; min_items: N; require_all_tasks: true). "
+        "Default: the recipe's gates on at least 59 items.",
+    ),
+]
+AcceptGateDifferenceOpt = Annotated[
+    bool,
+    typer.Option(
+        "--accept-gate-difference",
+        help="Accept a gate record looser than the policy (or on fewer items); written into the eval record and model card.",
+    ),
+]
 TensorParallelOpt = Annotated[
     int, typer.Option("--tensor-parallel-size", "-tp", min=1, help="vLLM tensor parallelism: GPUs per model replica.")
 ]

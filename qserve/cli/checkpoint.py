@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from qserve.cli._common import JsonOpt, user_errors
+from qserve.cli._common import AcceptGateDifferenceOpt, JsonOpt, PolicyOpt, user_errors
 
 
 @user_errors
@@ -36,6 +36,8 @@ def sign(
     password_env: Annotated[
         str | None, typer.Option("--password-env", help="Name of the environment variable holding the key's password.")
     ] = None,
+    policy: PolicyOpt = None,
+    accept_gate_difference: AcceptGateDifferenceOpt = False,
 ) -> None:
     """Sign a gated checkpoint with OpenSSF model-signing: every file, the manifest and the eval record.
 
@@ -53,4 +55,4 @@ def sign(
     from qserve.checkpoint.signing import sign as run
 
     password = os.environ.get(password_env) if password_env else None
-    typer.echo(str(run(checkpoint, private_key, password)))
+    typer.echo(str(run(checkpoint, private_key, password, policy, accept_gate_difference)))

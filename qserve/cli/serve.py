@@ -9,10 +9,12 @@ from typing import Annotated
 import typer
 
 from qserve.cli._common import (
+    AcceptGateDifferenceOpt,
     ApiKeyOpt,
     DataDirOpt,
     HostOpt,
     JsonOpt,
+    PolicyOpt,
     PortOpt,
     ReadyTimeoutOpt,
     VerboseOpt,
@@ -37,13 +39,16 @@ def serve(
     key: ApiKeyOpt = None,
     ready_timeout: ReadyTimeoutOpt = 900.0,
     verify_key: VerifyKeyOpt = None,
+    policy: PolicyOpt = None,
+    accept_gate_difference: AcceptGateDifferenceOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
     """Start vLLM's OpenAI-compatible server with the checkpoint's quantization, kv_cache_dtype and dtype.
 
     Extra vLLM options go after `--`; they may not contradict the checkpoint's --quantization,
     --kv-cache-dtype or --dtype. The endpoint is printed only once the server has answered one short
-    generation request. vLLM's output goes to CKPT/logs/serve.log. Ctrl-C or SIGTERM stops the
+    generation request. The gate record must meet the checkpoint's policy: the recipe's gates, passed
+    on at least 59 items (or --policy FILE). vLLM's output goes to CKPT/logs/serve.log. Ctrl-C or SIGTERM stops the
     server's whole process group: SIGTERM first, SIGKILL for anything still alive 15 s later; exit
     130 (SIGINT) or 143 (SIGTERM).
 
@@ -58,7 +63,8 @@ def serve(
     vllm_logs_to_stderr()  # stdout: the endpoint and curl lines only
     run(
         checkpoint, host=host, port=port, skip_gate=skip_gate, extra_args=list(ctx.args), **api_key(key),
-        ready_timeout=ready_timeout, verbose=verbose, verify_key=verify_key,
+        ready_timeout=ready_timeout, verbose=verbose, verify_key=verify_key, policy=policy,
+        accept_gate_difference=accept_gate_difference,
     )  # fmt: skip
 
 

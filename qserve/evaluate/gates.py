@@ -12,47 +12,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import ValidationError
 
-from qserve.errors import InvalidSpec, QserveError
-
-DEFAULT_MIN_RECOVERY = 0.95
-CRITERIA = ("min_recovery", "max_drop", "max_increase")
-
-
-class GateSpec(BaseModel):
-    """One gate on one metric of a task. A bare number in a recipe means min_recovery."""
-
-    model_config = ConfigDict(extra="forbid")
-    metric: str | None = Field(None, description="lm-eval '<metric>,<filter>' key; default: the task's headline metric")
-    min_recovery: float | None = Field(None, gt=0, le=2, description="quantized/baseline (baseline/quantized for losses)")
-    max_drop: float | None = Field(None, ge=0, description="largest allowed degradation in the metric's own units")
-    max_increase: float | None = Field(None, ge=0, description="lower-is-better metrics: largest relative increase (0.05 = 5%)")
-
-    @model_validator(mode="after")
-    def _has_criterion(self) -> GateSpec:
-        if all(getattr(self, c) is None for c in CRITERIA):
-            raise InvalidSpec(f"a gate needs at least one of {', '.join(CRITERIA)}")
-        return self
-
-    def criteria(self) -> dict[str, float]:
-        return {c: getattr(self, c) for c in CRITERIA if getattr(self, c) is not None}
-
-
-def normalize(value: object) -> list[GateSpec]:
-    """A recipe's or CLI's gate value (number, mapping or list of them) as GateSpecs."""
-    items = value if isinstance(value, list) else [value]
-    out = []
-    for item in items:
-        if isinstance(item, GateSpec):
-            out.append(item)
-        elif isinstance(item, (int, float)) and not isinstance(item, bool):
-            out.append(GateSpec(min_recovery=float(item)))
-        elif isinstance(item, dict):
-            out.append(GateSpec.model_validate(item))
-        else:
-            raise InvalidSpec(f"a gate is a number (minimum recovery) or a mapping of {', '.join(CRITERIA)}; got {item!r}")
-    return out
+from qserve.checkpoint.policy import CRITERIA, DEFAULT_MIN_RECOVERY, GateSpec, allowed_degradation, normalize  # noqa: F401
+from qserve.errors import QserveError
 
 
 def parse_cli_gates(values: list[str]) -> dict[str, list[GateSpec]]:
@@ -97,7 +60,10 @@ class Bounds:
     method: str  # which test gave them (see stats.py)
     items: int
     discordant: tuple[int, int] | None = None  # 0/1 metrics: items lost, items gained
-    stderr: float | None = None  # the bootstrap's, on the same scale
+    stderr: float | None = None  # the t bound's standard error, on the same scale
+    skewness: float | None = None  # of the per-item terms (t bounds)
+    needs: int | None = None  # t bounds: the items a pass needs (stats.MIN_ITEMS, the skewness rule)
+    needs_why: str | None = None  # which of the two set `needs`
 
 
 @dataclass
@@ -116,6 +82,8 @@ class Comparison:
     constant: bool = False  # every item scored the same on both: no variance to judge by
     bounds: Bounds | None = None  # what the gate decides on; None: no valid bound at this sample
     log_scale: bool = False  # perplexities: bounds are on log(quantized/baseline)
+    non_finite: bool = False  # some item scored NaN or infinity
+    flips: dict[str, int] | None = None  # 0/1 metrics: items the quantized model lost and gained
 
     @property
     def degradation(self) -> float:
@@ -152,9 +120,11 @@ class Gate:
     signal: bool = True
     test: str | None = None  # the bound the decision used (stats.py)
     items_needed: int | None = None  # inconclusive: about how many items would decide
+    items: int | None = None  # items both models scored (the paired comparison's n)
     # The decision's numbers for machines: one-sided 95 % bounds of the degradation and the
     # allowance, relative for perplexities (0.02 = +2 %), else in the metric's own units.
-    bounds: dict[str, float | str] | None = None
+    bounds: dict[str, float | str | int] | None = None
+    flips: dict[str, int] | None = None  # 0/1 metrics: items lost and gained against the baseline
 
 
 def recovery(baseline: float, quantized: float, higher_is_better: bool) -> float | None:
@@ -163,27 +133,6 @@ def recovery(baseline: float, quantized: float, higher_is_better: bool) -> float
     if den == 0 or not (math.isfinite(num) and math.isfinite(den)):
         return None
     return num / den
-
-
-def allowed_degradation(spec: GateSpec, baseline: float, higher_is_better: bool) -> float | None:
-    """The tightest allowance the spec's criteria give; None if min_recovery is undefined."""
-    limits = []
-    if spec.min_recovery is not None:
-        if higher_is_better:
-            if baseline == 0:
-                return None
-            limits.append(baseline * (1 - spec.min_recovery))
-        else:
-            limits.append(baseline * (1 / spec.min_recovery - 1))
-    if spec.max_drop is not None:
-        limits.append(spec.max_drop)
-    if spec.max_increase is not None:
-        if higher_is_better:
-            raise QserveError(
-                f"max_increase applies to lower-is-better metrics (perplexity); {spec.metric} is a score: use max_drop"
-            )
-        limits.append(baseline * spec.max_increase)
-    return min(limits)
 
 
 def decide(task: str, spec: GateSpec, cmp: Comparison) -> Gate:
@@ -207,22 +156,25 @@ def decide(task: str, spec: GateSpec, cmp: Comparison) -> Gate:
         signal=not (allowed is None or cmp.constant),
         test=cmp.bounds.method if cmp.bounds else None,
         items_needed=needed,
+        items=cmp.items,
         bounds=_bounds_record(cmp, allowed),
+        flips=cmp.flips,
     )
 
 
-def _bounds_record(cmp: Comparison, allowed: float | None) -> dict[str, float | str] | None:
+def _bounds_record(cmp: Comparison, allowed: float | None) -> dict[str, float | str | int] | None:
     b = cmp.bounds
     if b is None or allowed is None:
         return None
+    size = {} if b.needs is None else {"skewness": b.skewness, "items_for_a_pass": b.needs}
     if cmp.log_scale and cmp.baseline > 0:
         return {
             "lower": math.expm1(b.lower),
             "upper": math.expm1(b.upper),
             "allowed": allowed / cmp.baseline,
             "scale": "relative",
-        }
-    return {"lower": b.lower, "upper": b.upper, "allowed": allowed, "scale": "metric"}
+        } | size
+    return {"lower": b.lower, "upper": b.upper, "allowed": allowed, "scale": "metric"} | size
 
 
 def _status(allowed: float | None, cmp: Comparison) -> tuple[str, str, int | None]:
@@ -230,8 +182,9 @@ def _status(allowed: float | None, cmp: Comparison) -> tuple[str, str, int | Non
     deg = cmp.degradation
     if allowed is None:
         return "inconclusive", f"baseline {cmp.metric} is {cmp.baseline:g}: recovery is undefined, this gate says nothing", None
-    if not math.isfinite(deg):
-        return "fail", f"the quantized {cmp.metric} is {cmp.quantized:g}", None
+    if cmp.non_finite or not (math.isfinite(deg) and math.isfinite(cmp.baseline)):
+        where = "some items" if cmp.non_finite else f"the baseline {cmp.baseline:g}, the quantized model {cmp.quantized:g}"
+        return "fail", f"{cmp.metric} is not a finite number ({where}): the scores cannot be compared", None
     if cmp.constant:
         return (
             "inconclusive",
@@ -249,6 +202,8 @@ def _status(allowed: float | None, cmp: Comparison) -> tuple[str, str, int | Non
     band = f"[{_fmt(b.lower, cmp.log_scale)}, {_fmt(b.upper, cmp.log_scale)}] one-sided 95 %, {b.method}"
     if b.lower > allowed:
         return "fail", f"{within}: exceeded beyond noise, degradation {band}", None
+    if b.upper < allowed and b.needs is not None and b.items < b.needs:
+        return "inconclusive", f"{within}, under the allowance, but {b.items} items are too few for a pass ({b.needs_why}); {b.needs} items would decide (--limit)", b.needs
     if b.upper < allowed:
         return "pass", f"{within}, clear of noise: degradation {band}", None
     needed = items_needed(cmp, deg, allowed)
@@ -285,16 +240,16 @@ def _without_bounds(cmp: Comparison, deg: float, allowed: float, within: str) ->
 def items_needed(cmp: Comparison, deg: float, allowed: float) -> int | None:
     """About how many items would put the bound clear of the allowance, if the observed difference holds."""
     b = cmp.bounds
-    if b is None:
+    if b is None or not (math.isfinite(deg) and math.isfinite(allowed)):
         return None
     if b.discordant == (0, 0):
         # No item differed: the exact bound is 1 - 0.025^(1/n), below `allowed` from this n on.
         return math.floor(math.log(0.025) / math.log1p(-allowed)) + 1 if 0 < allowed < 1 else None
     gap = abs(deg - allowed)
     half = (b.upper - b.lower) / 2
-    if gap == 0 or half <= 0:
+    if gap == 0 or half <= 0 or not math.isfinite(half):
         return None
-    return max(b.items + 1, math.ceil(b.items * (half / gap) ** 2))
+    return max(b.items + 1, b.needs or 0, math.ceil(b.items * (half / gap) ** 2))
 
 
 def _fmt(x: float, log_scale: bool) -> str:

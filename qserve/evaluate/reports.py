@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from qserve.checkpoint.card import CARD_NAME, gate_rows, md_table, model_card
+from qserve.checkpoint.card import CARD_NAME, gate_rows, md_table, model_card, text_table
 from qserve.checkpoint.manifest import EVAL_NAME, LM_EVAL_RESULTS_NAME, REPORT_NAME, Manifest
 from qserve.checkpoint.records import write_json, write_text
 
@@ -24,10 +24,7 @@ def write_all(ckpt: Path, manifest: Manifest, summary: dict[str, Any], raw: dict
 
 def format_table(summary: dict[str, Any]) -> str:
     """The terminal view: the gate table, notes for anything not a clean pass, parity, verdict."""
-    rows = gate_rows(summary)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines = text_table(gate_rows(summary))
     lines += [f"  {g['task']} {g['metric']}: {_status(g)}: {g['reason']}" for g in summary["gates"]]
     lines.append(f"engine parity: {summary['parity']['status'].upper()}: {summary['parity'].get('reason', '')}")
     kv = summary.get("kv_cache") or {}

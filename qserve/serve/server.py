@@ -51,6 +51,8 @@ def serve(
     verbose: bool = False,
     key_source: str = "--api-key",
     verify_key: Path | None = None,
+    policy: Path | None = None,
+    accept_gate_difference: bool = False,
 ) -> NoReturn:
     """Start the server, wait until it answers a generation request, and run until it exits or we are signalled.
 
@@ -65,7 +67,7 @@ def serve(
     if skip_gate:
         info("warning: --skip-gate: serving a checkpoint without a passing accuracy gate")
     else:
-        info(f"accuracy gate passed (decided {check_gate(ckpt)})")
+        info(f"accuracy gate passed (decided {check_gate(ckpt, policy, accept_gate_difference)})")
     _warn_about_access(host, api_key, key_source)
     p = plan(ckpt, manifest, device, host, port, api_key, extra_args)
     with running(p, ready_timeout=ready_timeout, verbose=verbose) as server:

@@ -1,0 +1,68 @@
+"""`qserve gate` and `qserve gate-levels`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from qserve.cli._common import GateOpt, JsonOpt, TasksOpt, split, user_errors, verdict_exit
+
+
+@user_errors
+def gate(
+    baseline: Annotated[Path, typer.Argument(help="lm-eval --output_path of the baseline run (or its results_*.json).")],
+    quantized: Annotated[Path, typer.Argument(help="lm-eval --output_path of the quantized run (or its results_*.json).")],
+    tasks: TasksOpt = None,
+    gate: GateOpt = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Also write the gate record (JSON) here.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Apply qserve's paired gate to two lm-eval runs made elsewhere (a GPU cluster, a CI job).
+
+    Both runs need `--log_samples` on the same items: the gate compares them item by item (exact
+    binomial bounds for 0/1 metrics, a t bound on per-document terms for perplexities and other
+    means; see `qserve gate-levels`). Which way a metric is better comes from lm-eval's own results.
+    Default gate: min_recovery 0.95 on each task's first metric. Exit 0 PASS, 3 FAIL, 4 INCONCLUSIVE.
+
+    \b
+    Example:
+      lm_eval --model vllm --model_args pretrained=BASE --tasks gsm8k --log_samples --output_path runs/base
+      lm_eval --model vllm --model_args pretrained=QUANT --tasks gsm8k --log_samples --output_path runs/quant
+      qserve gate runs/base runs/quant --gate gsm8k:max_drop=0.02
+    """
+    from qserve.checkpoint.records import write_json
+    from qserve.evaluate.external import format_report, gate_runs
+    from qserve.evaluate.gates import parse_cli_gates
+
+    summary = gate_runs(baseline, quantized, parse_cli_gates(gate or []), split(tasks))
+    if out is not None:
+        write_json(out, summary)
+    typer.echo(json.dumps(summary, indent=2) if as_json else format_report(summary))
+    raise typer.Exit(verdict_exit(summary))
+
+
+@user_errors
+def gate_levels(
+    draws: Annotated[int, typer.Option(min=100, help="Simulated samples per cell.")] = 2000,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the Markdown page here (e.g. docs/gate-levels.md).")] = None,
+) -> None:
+    """Print how often each gate bound passes a model at exactly its allowance (false pass) and at half
+    of it (power), by n and by the shape of per-item losses: the table to choose --limit from.
+
+    Seeded simulation through qserve's own bounds (a few seconds); tests/test_gate_levels.py asserts it.
+
+    \b
+    Example:
+      qserve gate-levels --out docs/gate-levels.md
+    """
+    from qserve.evaluate.levels import markdown, provenance, simulate
+
+    page = markdown(simulate(draws), provenance(draws))
+    if out is not None:
+        from qserve.checkpoint.records import write_text
+
+        write_text(out, page + "\n")
+    typer.echo(page)

@@ -1,0 +1,91 @@
+"""The gate policy serve and sign enforce: the recipe's gates (or the operator's file) on enough items.
+
+The checkpoint is a small directory with a real manifest and an eval record bound to it, so the
+real `qserve sign` and its policy check run; `qserve serve`'s refusal on a real checkpoint is in
+test_serve.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import gate_record as _gate
+from conftest import make_keys, run_qserve_in_process
+
+from qserve.checkpoint.manifest import CARD_NAME, EVAL_NAME, Manifest, VllmArgs, hash_files, manifest_digest, write_manifest
+from qserve.checkpoint.policy import MIN_ITEMS, Policy, differences, read_policy, recipe_policy
+from qserve.errors import QserveError
+
+RECIPE = {"name": "r", "gates": {"gsm8k_ppl": 0.95, "gsm8k": 0.95}}
+
+
+def _checkpoint(root: Path, gates: list[dict]) -> Path:
+    ckpt = root / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors").write_bytes(b"weights")
+    manifest = Manifest(
+        created_at="t", scheme="W8A8", recipe=RECIPE, recipe_source={}, source_model={"id": "m"}, calibration=None, versions={},
+        vllm_args=VllmArgs(quantization="compressed-tensors"), timings={}, files=hash_files(ckpt),
+    )  # fmt: skip
+    write_manifest(ckpt, manifest)
+    record = {"verdict": "pass", "manifest_sha256": manifest_digest(ckpt), "decided_at": "2026-11-24T00:00:00+00:00",
+              "gates": gates, "parity": {"status": "pass"}}  # fmt: skip
+    (ckpt / EVAL_NAME).write_text(json.dumps(record))
+    return ckpt
+
+
+def test_a_record_that_meets_the_recipe_has_no_difference() -> None:
+    assert differences({"gates": [_gate()]}, recipe_policy(RECIPE)) == []
+    # A stricter gate meets a looser policy; a no-signal gsm8k gate (a tiny model's ~1 %) is a warning, not a shortfall.
+    no_signal = _gate("gsm8k", status="inconclusive", signal=False)
+    assert differences({"gates": [_gate(criteria={"min_recovery": 0.99}), no_signal]}, recipe_policy(RECIPE)) == []
+
+
+@pytest.mark.parametrize(
+    ("gates", "expected"),
+    [
+        ([_gate(criteria={"max_increase": 1.0})], "gsm8k_ppl word_perplexity,none was gated at {'max_increase': 1.0}, looser than the policy's {'min_recovery': 0.95}"),
+        ([_gate(items=20)], f"gsm8k_ppl word_perplexity,none passed on 20 items, below the policy's minimum of {MIN_ITEMS}"),
+        ([_gate(status="inconclusive")], "gsm8k_ppl word_perplexity,none did not pass (inconclusive)"),
+        ([_gate("arc_easy")], "no gate on any task the policy names (gsm8k_ppl, gsm8k)"),
+        # The criteria say 0.95, the stated allowance was edited to +100 %: the looser of the two counts.
+        ([_gate(allowed_degradation=10.0)], "gsm8k_ppl word_perplexity,none was gated at {'min_recovery': 0.95}, looser than the policy's {'min_recovery': 0.95}"),
+    ],
+)  # fmt: skip
+def test_each_shortfall_is_named(gates: list[dict], expected: str) -> None:
+    assert differences({"gates": gates}, recipe_policy(RECIPE)) == [expected]
+
+
+def test_an_operator_policy_file(tmp_path: Path) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text("gates:\n  gsm8k_ppl: {max_increase: 0.02}\n  gsm8k: 0.95\nmin_items: 200\nrequire_all_tasks: true\n")
+    policy = read_policy(path)
+    assert policy == Policy(gates={"gsm8k_ppl": {"max_increase": 0.02}, "gsm8k": 0.95}, min_items=200, require_all_tasks=True, source=str(path))
+    assert differences({"gates": [_gate()]}, policy) == [
+        "gsm8k_ppl word_perplexity,none passed on 100 items, below the policy's minimum of 200",
+        "no gate on gsm8k (the policy requires {'min_recovery': 0.95})",
+    ]
+    path.write_text("gates: {gsm8k: {max_dorp: 1}}\n")
+    with pytest.raises(QserveError, match=r"^policy file .*policy.yaml is invalid: "):
+        read_policy(path)
+
+
+def test_sign_refuses_a_looser_gate_and_records_an_accepted_difference(tmp_path: Path) -> None:
+    ckpt = _checkpoint(tmp_path, [_gate(items=20)])
+    private, _ = make_keys(tmp_path, "owner")
+    proc = run_qserve_in_process("sign", ckpt, "--private-key", private)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: the gate record does not meet the policy of recipe r: gsm8k_ppl word_perplexity,none passed on 20 items, "
+        f"below the policy's minimum of {MIN_ITEMS} (re-run `qserve eval` with the policy's gates and --limit, or pass --accept-gate-difference)"
+    )
+    assert not (ckpt / "qserve_signature.sig").exists()
+    proc = run_qserve_in_process("sign", ckpt, "--private-key", private, "--accept-gate-difference")
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads((ckpt / EVAL_NAME).read_text())
+    assert record["waivers"] == [
+        {"accepted_by": "sign", "policy": "recipe r", "differences": [f"gsm8k_ppl word_perplexity,none passed on 20 items, below the policy's minimum of {MIN_ITEMS}"]}
+    ]  # fmt: skip
+    assert "**Gate below its policy, accepted by the operator** (`qserve sign --accept-gate-difference`" in (ckpt / CARD_NAME).read_text()
