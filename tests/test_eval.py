@@ -11,6 +11,8 @@ from conftest import DEMO_LIMIT, DEMO_TASKS, EVAL_LIMIT, copy_checkpoint, free_p
 
 from qserve.checkpoint.card import CARD_NAME, gate_rows
 from qserve.checkpoint.manifest import EVAL_NAME, LM_EVAL_RESULTS_NAME, hash_files, read_manifest, write_manifest
+from qserve.checkpoint.spending import min_items
+from qserve.evaluate import looks
 from qserve.evaluate.reports import REPORT_NAME
 
 
@@ -73,23 +75,31 @@ def test_reports_agree_with_the_summary(passed_eval) -> None:
 @pytest.mark.slow
 def test_eval_without_evidence_is_inconclusive(passed_eval, tmp_path: Path) -> None:
     """gsm8k_mc at 10 items: both models answer the same 9 right (a paired standard error of 0). That
-    used to pass "clear of noise ±0"; the exact bound on 10 items (0.31) cannot show a 0.95 recovery,
-    and a passing perplexity gate may not outvote it."""
+    used to pass "clear of noise ±0"; the exact bound on 10 items (0.31) cannot show a 0.95 recovery.
+    The perplexity gate's bound is under its allowance, but 10 documents are too few for a pass."""
     ckpt = copy_checkpoint(passed_eval[0], tmp_path / "ckpt")  # the shared one keeps its passing record
+    earlier = looks.earlier(read_manifest(ckpt))  # the demo's gate, and any other eval of these weights so far
     tasks = "gsm8k_ppl,gsm8k_mc"
     proc = run_qserve_in_process("eval", ckpt, "--tasks", tasks, "--limit", str(EVAL_LIMIT), "--no-parity", "--json")
     assert proc.returncode == 4, proc.stdout[-2000:] + proc.stderr[-3000:]
     summary = json.loads(proc.stdout)
+    # Another look at the same weights: counted, and decided at a smaller level (looks.py).
+    assert len(earlier) >= 1 and summary["look"]["number"] == len(earlier) + 1
+    assert summary["look"]["level"] == looks.level(len(earlier) + 1) < looks.level(1)
+    assert len(looks.earlier(read_manifest(ckpt))) == len(earlier) + 1
     gates = {g["task"]: g for g in summary["gates"]}
     mc = gates["gsm8k_mc"]
     raw = json.loads((ckpt / LM_EVAL_RESULTS_NAME).read_text())
     assert mc["baseline_stderr"] == raw["baseline"]["results"]["gsm8k_mc"]["acc_stderr,none"]  # lm-eval's own
     assert (summary["verdict"], gates["gsm8k_ppl"]["status"], mc["status"], mc["signal"]) == (
         "inconclusive",
-        "pass",
+        "inconclusive",
         "inconclusive",
         True,
     )
+    ppl = gates["gsm8k_ppl"]
+    assert ppl["bounds"]["upper"] < ppl["bounds"]["allowed"] and ppl["items"] == EVAL_LIMIT
+    assert ppl["items_needed"] >= min_items(summary["look"]["level"])
     assert mc["test"].startswith("exact binomial on discordant items") and mc["items_needed"] > EVAL_LIMIT
     # ... and is not served.
     proc = run_qserve("serve", ckpt, "--port", str(free_port()))

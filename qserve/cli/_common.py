@@ -12,6 +12,7 @@ from typing import Annotated, Any
 import typer
 
 from qserve.capture import library_output  # noqa: F401  (the commands' log capture)
+from qserve.checkpoint.spending import MIN_ITEMS
 from qserve.errors import EXIT_ERROR, EXIT_GATE_FAILED, EXIT_GATE_INCONCLUSIVE, QserveError, Stopped
 
 ModelOpt = Annotated[
@@ -144,7 +145,7 @@ PolicyOpt = Annotated[
     typer.Option(
         "--policy",
         help="YAML gate policy (gates: as in a recipe; min_items: N; require_all_tasks: true). "
-        "Default: the recipe's gates on at least 59 items.",
+        f"Default: the recipe's gates on at least {MIN_ITEMS} items.",
     ),
 ]
 AcceptGateDifferenceOpt = Annotated[

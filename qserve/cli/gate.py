@@ -18,6 +18,9 @@ def gate(
     tasks: TasksOpt = None,
     gate: GateOpt = None,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Also write the gate record (JSON) here.")] = None,
+    look: Annotated[
+        int, typer.Option(min=1, help="How many times these weights have been gated, this run included: each look spends less of the 5 %.")
+    ] = 1,
     as_json: JsonOpt = False,
 ) -> None:
     """Apply qserve's paired gate to two lm-eval runs made elsewhere (a GPU cluster, a CI job).
@@ -25,7 +28,9 @@ def gate(
     Both runs need `--log_samples` on the same items: the gate compares them item by item (exact
     binomial bounds for 0/1 metrics, a t bound on per-document terms for perplexities and other
     means; see `qserve gate-levels`). Which way a metric is better comes from lm-eval's own results.
-    Default gate: min_recovery 0.95 on each task's first metric. Exit 0 PASS, 3 FAIL, 4 INCONCLUSIVE.
+    Default gate: min_recovery 0.95 on each task's first metric. qserve cannot count gate runs it did not
+    make: pass --look 2 for a second run on the same weights (more items after an inconclusive one), and
+    so on. Exit 0 PASS, 3 FAIL, 4 INCONCLUSIVE.
 
     \b
     Example:
@@ -37,7 +42,7 @@ def gate(
     from qserve.evaluate.external import format_report, gate_runs
     from qserve.evaluate.gates import parse_cli_gates
 
-    summary = gate_runs(baseline, quantized, parse_cli_gates(gate or []), split(tasks))
+    summary = gate_runs(baseline, quantized, parse_cli_gates(gate or []), split(tasks), look)
     if out is not None:
         write_json(out, summary)
     typer.echo(json.dumps(summary, indent=2) if as_json else format_report(summary))

@@ -48,7 +48,7 @@ def serve(
     Extra vLLM options go after `--`; they may not contradict the checkpoint's --quantization,
     --kv-cache-dtype or --dtype. The endpoint is printed only once the server has answered one short
     generation request. The gate record must meet the checkpoint's policy: the recipe's gates, passed
-    on at least 59 items (or --policy FILE). vLLM's output goes to CKPT/logs/serve.log. Ctrl-C or SIGTERM stops the
+    on enough items (see --policy), or a policy file. vLLM's output goes to CKPT/logs/serve.log. Ctrl-C or SIGTERM stops the
     server's whole process group: SIGTERM first, SIGKILL for anything still alive 15 s later; exit
     130 (SIGINT) or 143 (SIGTERM).
 

@@ -16,9 +16,9 @@ from qserve.checkpoint.records import resolve_checkpoint
 from qserve.checkpoint.schemes import SCHEMES
 from qserve.device import detect, engine, flags, kv_scales, support, throughput
 from qserve.errors import QserveError
-from qserve.evaluate import baselines, fallback, parity, reports, stats
+from qserve.evaluate import baselines, fallback, looks, parity, reports, stats
 from qserve.evaluate.gates import DEFAULT_MIN_RECOVERY, Gate, GateSpec, decide, normalize, verdict
-from qserve.evaluate.lm_eval_run import EngineRun, run_lm_eval
+from qserve.evaluate.lm_eval_run import EngineRun, Window, run_lm_eval
 from qserve.evaluate.stats import ItemValues
 from qserve.evaluate.tasks import TaskDef, get_tasks, lm_eval_config
 from qserve.progress import info, step
@@ -65,6 +65,8 @@ def evaluate(
     kv_cache_dtype: str | None = None,
     verify_key: Path | None = None,
     parallel: dict[str, Any] | None = None,
+    offset: int = 0,
+    purpose: str = "gate",
 ) -> dict[str, Any]:
     """Evaluate a checkpoint against its (cached) baseline, apply the gates, write the reports.
 
@@ -72,13 +74,16 @@ def evaluate(
     the summary says `emulated: true`. `kv_cache_dtype`, if given, must match the checkpoint; with
     `verify_key`, the checkpoint must carry a signature by it over exactly its files. `parallel`:
     vLLM parallelism for both engines (tensor_parallel_size, pipeline_parallel_size,
-    data_parallel_size (through Ray, as lm-eval runs it), distributed_executor_backend).
+    data_parallel_size (through Ray, as lm-eval runs it), distributed_executor_backend). `offset`:
+    evaluate items offset .. offset + limit (held-out items, as `qserve tune` confirms on). `purpose`
+    "gate" counts as a look at these weights (looks.py); "tune search" does not, and serve refuses it.
     """
     plan = _plan(checkpoint, tasks, gates, data_dir, kv_cache_dtype, verify_key, parallel)
+    window = Window(limit, offset)
     started = time.monotonic()
-    base_side = _baseline_side(plan, limit, refresh_baseline)
+    base_side = _baseline_side(plan, window, refresh_baseline)
     quant, parity_result, extra = _quantized_run(
-        plan.ckpt, plan.manifest, plan.device, list(plan.configs.values()), limit, plan.emulated, check_parity, measure_decode
+        plan.ckpt, plan.manifest, plan.device, list(plan.configs.values()), window, plan.emulated, check_parity, measure_decode
     )
     label = f"the baseline {plan.manifest.source_model['id']}"
     base = _baseline_run(
@@ -87,20 +92,35 @@ def evaluate(
         base_side.args,
         plan.device,
         plan.configs,
-        limit,
+        window,
         base_side.keys,
         base_side.cached,
         plan.emulated,
     )
-    decided = [_decide(t, spec, base, quant) for t in plan.tasks for spec in plan.specs[t.name]]
+    look = _look(plan.manifest, purpose)
+    decided = [_decide(t, spec, base, quant, look["level"]) for t in plan.tasks for spec in plan.specs[t.name]]
     final = verdict(decided)
     if "fail" in (parity_result["status"], extra["kv_cache"]["status"]):
         final = "fail"
     summary = _summary(plan, base_side, quant, base, decided, final, parity_result, extra, limit, refresh_baseline)
-    summary["request"] = _request(plan, limit, check_parity)
+    summary |= {"offset": offset, "purpose": purpose, "look": look, "request": _request(plan, limit, check_parity, offset)}
     summary["timings"]["total_seconds"] = round(time.monotonic() - started, 2)
+    if purpose == "gate":
+        looks.record(plan.manifest, {"decided_at": summary["decided_at"], "tasks": summary["tasks"], "limit": limit,
+                                     "offset": offset, "verdict": final, "level": look["level"]})  # fmt: skip
     reports.write_all(plan.ckpt, plan.manifest, summary, {"quantized": quant.raw, "baseline": base.raw})
     return summary
+
+
+def _look(manifest: Manifest, purpose: str) -> dict[str, Any]:
+    """Which look at these weights this decision is, and the level it spends (looks.py)."""
+    if purpose != "gate":
+        return {"number": None, "level": looks.level(1), "earlier": [], "counted": False}
+    earlier = looks.earlier(manifest)
+    number = len(earlier) + 1
+    if earlier:
+        info(f"look {number} at these weights ({len(earlier)} earlier gate runs): bounds at one-sided {1 - looks.level(number):.2%}")
+    return {"number": number, "level": looks.level(number), "earlier": earlier, "counted": True}
 
 
 def reusable_eval(
@@ -123,13 +143,14 @@ def reusable_eval(
     return record if record.get("request") == _request(plan, limit, check_parity) else None
 
 
-def _request(plan: _Plan, limit: int | None, check_parity: bool) -> dict[str, Any]:
+def _request(plan: _Plan, limit: int | None, check_parity: bool, offset: int = 0) -> dict[str, Any]:
     """What an eval was asked to decide; equal requests on the same manifest decide the same thing."""
     return baselines.stable(
         {
             "tasks": [t.name for t in plan.tasks],
             "task_configs": {n: baselines.with_data_hashes(c) for n, c in plan.configs.items()},
             "limit": limit,
+            **({"offset": offset} if offset else {}),
             "gates": {n: [s.model_dump() for s in specs] for n, specs in plan.specs.items()},
             "parity": check_parity,
             "device": detect.fingerprint(plan.device),
@@ -182,7 +203,7 @@ def _check_gated_tasks(gates: dict[str, list[GateSpec]], evaluated: list[str]) -
         )
 
 
-def _baseline_side(plan: _Plan, limit: int | None, refresh: bool) -> _Baseline:
+def _baseline_side(plan: _Plan, window: Window, refresh: bool) -> _Baseline:
     """The baseline's model, engine arguments and cache keys; cached scores unless `refresh`."""
     model = baseline_model(plan.manifest)
     trc = plan.manifest.vllm_args.trust_remote_code
@@ -194,7 +215,7 @@ def _baseline_side(plan: _Plan, limit: int | None, refresh: bool) -> _Baseline:
     else:
         kwargs = engine.engine_kwargs(model.path, args, plan.device)
     device = detect.fingerprint(plan.device)
-    keys = {n: baselines.task_key(sha, cfg, limit, kwargs, device) for n, cfg in plan.configs.items()}
+    keys = {n: baselines.task_key(sha, cfg, window.key(), kwargs, device) for n, cfg in plan.configs.items()}
     cached = {} if refresh else {n: e for n, k in keys.items() if (e := baselines.lookup(k))}
     return _Baseline(model, args, kwargs, sha, keys, cached)
 
@@ -254,7 +275,7 @@ def _quantized_run(
     manifest: Manifest,
     device: detect.Device,
     configs: list[dict],
-    limit: int | None,
+    window: Window,
     emulated: bool,
     check_parity: bool,
     measure_decode: bool,
@@ -269,7 +290,7 @@ def _quantized_run(
         }
 
     label = "the quantized checkpoint"
-    quant = run_lm_eval(ckpt, manifest.vllm_args, device, configs, limit, label, None if emulated else on_engine, emulated)
+    quant = run_lm_eval(ckpt, manifest.vllm_args, device, configs, window, label, None if emulated else on_engine, emulated)
     extra = quant.extra or {"generations": None, "decode": None, "kv_cache": _skipped("emulated: no vLLM engine")}
     if emulated:
         parity_result = _skipped("emulated: vLLM cannot run this scheme here, so there is no engine to compare")
@@ -302,7 +323,7 @@ def _baseline_run(
     args: VllmArgs,
     device: detect.Device,
     configs: dict,
-    limit: int | None,
+    window: Window,
     keys: dict,
     cached: dict,
     emulated: bool = False,
@@ -313,7 +334,7 @@ def _baseline_run(
     missing = [n for n in configs if n not in cached]
     run = EngineRun(raw={})
     if missing:
-        run = run_lm_eval(model_path, args, device, [configs[n] for n in missing], limit, label, emulated=emulated)
+        run = run_lm_eval(model_path, args, device, [configs[n] for n in missing], window, label, emulated=emulated)
         for name in missing:
             baselines.store(keys[name], _task_slice(run.raw, name), run.items.get(name, {}))
     for name, entry in cached.items():
@@ -327,15 +348,19 @@ def _task_slice(raw: dict, task: str) -> dict:
     return {section: values[task] for section, values in raw.items() if isinstance(values, dict) and task in values}
 
 
-def _decide(task: TaskDef, spec: GateSpec, base: EngineRun, quant: EngineRun) -> Gate:
+def _decide(task: TaskDef, spec: GateSpec, base: EngineRun, quant: EngineRun, alpha: float) -> Gate:
     metric = spec.metric or task.metric
-    hib = task.higher_is_better if metric == task.metric else _higher_is_better(quant.raw, task.name, metric)
-    cmp = stats.compare(metric, hib, _score(base, task.name, metric), _score(quant, task.name, metric))
+    hib = _higher_is_better(quant.raw, task.name, metric)
+    cmp = stats.compare(metric, hib, _score(base, task.name, metric), _score(quant, task.name, metric), alpha)
     return decide(task.name, spec, cmp)
 
 
 def _higher_is_better(raw: dict, task: str, metric: str) -> bool:
-    return bool((raw.get("higher_is_better") or {}).get(task, {}).get(metric.partition(",")[0], True))
+    """Which way the metric is better, from lm-eval's own task config (its results' higher_is_better)."""
+    value = (raw.get("higher_is_better") or {}).get(task, {}).get(metric.partition(",")[0])
+    if not isinstance(value, bool):
+        raise QserveError(f"lm-eval does not say whether higher {metric} is better for {task}; set higher_is_better in its metric_list")
+    return value
 
 
 def _score(run: EngineRun, task: str, metric: str) -> tuple[float, float | None, ItemValues | None]:

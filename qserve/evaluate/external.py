@@ -15,12 +15,15 @@ from typing import Any
 
 from qserve.checkpoint.policy import DEFAULT_MIN_RECOVERY, GateSpec
 from qserve.errors import QserveError
-from qserve.evaluate import stats
+from qserve.evaluate import looks, stats
 from qserve.evaluate.gates import decide, verdict
 
 
-def gate_runs(baseline: Path, quantized: Path, gates: dict[str, list[GateSpec]], tasks: list[str] | None = None) -> dict[str, Any]:
-    """Decide every gate (default: min_recovery 0.95 on each task's first metric) on two lm-eval outputs."""
+def gate_runs(
+    baseline: Path, quantized: Path, gates: dict[str, list[GateSpec]], tasks: list[str] | None = None, look: int = 1
+) -> dict[str, Any]:
+    """Decide every gate (default: min_recovery 0.95 on each task's first metric) on two lm-eval outputs,
+    at the level of the look-th look at these weights (looks.py: qserve cannot count looks it did not run)."""
     base, quant = _LmEvalRun(baseline), _LmEvalRun(quantized)
     names = tasks or sorted(set(gates) or (set(base.results) & set(quant.results)))
     if not names:
@@ -36,13 +39,14 @@ def gate_runs(baseline: Path, quantized: Path, gates: dict[str, list[GateSpec]],
                     f"{task}: the runs scored different items ({len(b[2])} in the baseline, {len(q[2])} quantized, "
                     f"{len(set(b[2]) & set(q[2]))} in common); run both with the same --limit and data"
                 )
-            cmp = stats.compare(metric, hib, b, q)
+            cmp = stats.compare(metric, hib, b, q, looks.level(look))
             decided.append(decide(task, spec, cmp))
     return {
         "baseline_run": str(baseline),
         "quantized_run": str(quantized),
         "decided_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "verdict": verdict(decided),
+        "look": {"number": look, "level": looks.level(look), "counted": False, "earlier": []},
         "gates": [asdict(g) for g in decided],
     }
 

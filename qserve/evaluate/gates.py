@@ -62,8 +62,9 @@ class Bounds:
     discordant: tuple[int, int] | None = None  # 0/1 metrics: items lost, items gained
     stderr: float | None = None  # the t bound's standard error, on the same scale
     skewness: float | None = None  # of the per-item terms (t bounds)
-    needs: int | None = None  # t bounds: the items a pass needs (stats.MIN_ITEMS, the skewness rule)
+    needs: int | None = None  # t bounds: the items a pass needs (policy.min_items, the skewness rule)
     needs_why: str | None = None  # which of the two set `needs`
+    level: float = 0.05  # each bound's one-sided level (less than 5 % on a later look: looks.py)
 
 
 @dataclass
@@ -121,7 +122,7 @@ class Gate:
     test: str | None = None  # the bound the decision used (stats.py)
     items_needed: int | None = None  # inconclusive: about how many items would decide
     items: int | None = None  # items both models scored (the paired comparison's n)
-    # The decision's numbers for machines: one-sided 95 % bounds of the degradation and the
+    # The decision's numbers for machines: one-sided bounds (at `level`) of the degradation and the
     # allowance, relative for perplexities (0.02 = +2 %), else in the metric's own units.
     bounds: dict[str, float | str | int] | None = None
     flips: dict[str, int] | None = None  # 0/1 metrics: items lost and gained against the baseline
@@ -166,7 +167,7 @@ def _bounds_record(cmp: Comparison, allowed: float | None) -> dict[str, float | 
     b = cmp.bounds
     if b is None or allowed is None:
         return None
-    size = {} if b.needs is None else {"skewness": b.skewness, "items_for_a_pass": b.needs}
+    size = {"level": b.level} | ({} if b.needs is None else {"skewness": b.skewness, "items_for_a_pass": b.needs})
     if cmp.log_scale and cmp.baseline > 0:
         return {
             "lower": math.expm1(b.lower),
@@ -178,7 +179,7 @@ def _bounds_record(cmp: Comparison, allowed: float | None) -> dict[str, float | 
 
 
 def _status(allowed: float | None, cmp: Comparison) -> tuple[str, str, int | None]:
-    """(status, reason, items needed) from the one-sided 95 % bounds of the degradation."""
+    """(status, reason, items needed) from the one-sided bounds of the degradation."""
     deg = cmp.degradation
     if allowed is None:
         return "inconclusive", f"baseline {cmp.metric} is {cmp.baseline:g}: recovery is undefined, this gate says nothing", None
@@ -199,7 +200,7 @@ def _status(allowed: float | None, cmp: Comparison) -> tuple[str, str, int | Non
     b = cmp.bounds
     if b is None:
         return _without_bounds(cmp, deg, allowed, within)
-    band = f"[{_fmt(b.lower, cmp.log_scale)}, {_fmt(b.upper, cmp.log_scale)}] one-sided 95 %, {b.method}"
+    band = f"[{_fmt(b.lower, cmp.log_scale)}, {_fmt(b.upper, cmp.log_scale)}] one-sided {1 - b.level:.2%}, {b.method}"
     if b.lower > allowed:
         return "fail", f"{within}: exceeded beyond noise, degradation {band}", None
     if b.upper < allowed and b.needs is not None and b.items < b.needs:
@@ -243,8 +244,8 @@ def items_needed(cmp: Comparison, deg: float, allowed: float) -> int | None:
     if b is None or not (math.isfinite(deg) and math.isfinite(allowed)):
         return None
     if b.discordant == (0, 0):
-        # No item differed: the exact bound is 1 - 0.025^(1/n), below `allowed` from this n on.
-        return math.floor(math.log(0.025) / math.log1p(-allowed)) + 1 if 0 < allowed < 1 else None
+        # No item differed: the exact bound is 1 - (level/2)^(1/n), below `allowed` from this n on.
+        return math.floor(math.log(b.level / 2) / math.log1p(-allowed)) + 1 if 0 < allowed < 1 else None
     gap = abs(deg - allowed)
     half = (b.upper - b.lower) / 2
     if gap == 0 or half <= 0 or not math.isfinite(half):

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from qserve.evaluate import stats
+from qserve.checkpoint.spending import min_items
+from qserve.evaluate import looks, stats
 
 SIZES = (2, 3, 5, 10, 20, 50, 60, 100, 200, 500)  # the n the gate is used at, the first n a t bound may pass at, and a larger one
 ALLOWANCE = math.log(1.05)  # +5 % perplexity, on the log scale the gate decides on
@@ -47,7 +48,7 @@ SHAPES = (
 BINARY_SHAPES = ((0.0, "no item gained"), (0.02, "2 % gained"), (0.10, "10 % gained"), (0.30, "30 % gained"))
 
 
-def corpus_passes(shape: Shape, mean: float, n: int, draws: int, rng) -> Any:
+def corpus_passes(shape: Shape, mean: float, n: int, draws: int, rng, alpha: float) -> Any:
     """Perplexity gates (the ratio bound): which of `draws` samples of n documents pass."""
     import numpy as np
 
@@ -56,25 +57,27 @@ def corpus_passes(shape: Shape, mean: float, n: int, draws: int, rng) -> Any:
     loss += shape.word_noise * ALLOWANCE * np.sqrt(MEAN_WORDS * words) * rng.standard_normal((n, draws))
     base = -2.0 * words  # the baseline's log-likelihood; only the difference matters
     estimate, terms = stats.ratio_terms(base, words, base - loss, words)
-    return stats.passes(stats.linearized_t(estimate, terms), ALLOWANCE, n) & np.isfinite(estimate)
+    return stats.passes(stats.linearized_t(estimate, terms, alpha), ALLOWANCE, n) & np.isfinite(estimate)
 
 
-def mean_passes(shape: Shape, mean: float, n: int, draws: int, rng) -> Any:
+def mean_passes(shape: Shape, mean: float, n: int, draws: int, rng, alpha: float) -> Any:
     """Per-item means that are not 0/1 (the mean bound): items of equal weight."""
     d = shape.draw(rng, mean, (n, draws)) + shape.word_noise * ALLOWANCE * rng.standard_normal((n, draws))
-    return stats.passes(stats.linearized_t(d.mean(0), d - d.mean(0)), ALLOWANCE, n)
+    return stats.passes(stats.linearized_t(d.mean(0), d - d.mean(0), alpha), ALLOWANCE, n)
 
 
-def binary_passes(gained: float, mean: float, n: int, draws: int, rng) -> Any:
+def binary_passes(gained: float, mean: float, n: int, draws: int, rng, alpha: float) -> Any:
     """0/1 gates (the exact bound): items lost with rate gained + mean, gained with rate `gained`."""
     counts = rng.multinomial(n, [gained + mean, gained, 1 - 2 * gained - mean], size=draws)
-    _, hi_lost = stats.clopper_pearson(counts[:, 0], n)
-    lo_gain, _ = stats.clopper_pearson(counts[:, 1], n)
+    _, hi_lost = stats.clopper_pearson(counts[:, 0], n, alpha / 2)
+    lo_gain, _ = stats.clopper_pearson(counts[:, 1], n, alpha / 2)
     return (hi_lost - lo_gain) < BINARY_ALLOWANCE
 
 
-def simulate(draws: int = 2000, sizes: tuple[int, ...] = SIZES, seed: int = 0) -> list[dict[str, Any]]:
-    """One row per bound, shape and n: the pass rates at the allowance and at half of it."""
+def simulate(draws: int = 2000, sizes: tuple[int, ...] = SIZES, seed: int = 0, alpha: float | None = None) -> list[dict[str, Any]]:
+    """One row per bound, shape and n: the pass rates at the allowance and at half of it, at the
+    level of a first look (looks.py) unless `alpha` is given."""
+    alpha = looks.level(1) if alpha is None else alpha
     import numpy as np
 
     cells = [("corpus", s.name, corpus_passes, s, ALLOWANCE) for s in SHAPES]
@@ -84,8 +87,8 @@ def simulate(draws: int = 2000, sizes: tuple[int, ...] = SIZES, seed: int = 0) -
     for i, (bound, name, passes, shape, allowance) in enumerate(cells):
         for n in sizes:
             rng = np.random.default_rng([seed, i, n])
-            at, half = (float(np.mean(passes(shape, m, n, draws, rng))) for m in (allowance, allowance / 2))
-            rows.append({"bound": bound, "shape": name, "n": n, "false_pass": at, "power": half, "draws": draws})
+            at, half = (float(np.mean(passes(shape, m, n, draws, rng, alpha))) for m in (allowance, allowance / 2))
+            rows.append({"bound": bound, "shape": name, "n": n, "false_pass": at, "power": half, "draws": draws, "level": alpha})
     return rows
 
 
@@ -97,7 +100,7 @@ def limit(draws: int, level: float = stats.ONE_SIDED) -> float:
 def markdown(rows: list[dict[str, Any]], provenance: str) -> str:
     """The table as a page: false-pass at the allowance / pass rate at half the allowance, per n."""
     sizes = sorted({r["n"] for r in rows})
-    draws = rows[0]["draws"]
+    draws, level = rows[0]["draws"], rows[0]["level"]
     out = [
         "# What the gate guarantees, by n",
         "",
@@ -105,8 +108,10 @@ def markdown(rows: list[dict[str, Any]], provenance: str) -> str:
         "",
         f"Each cell: how often qserve's gate PASSES a model whose true degradation is exactly the allowance "
         f"(false pass; at most {stats.ONE_SIDED:.0%} + 3 Monte-Carlo SE = {limit(draws):.1%} allowed) / at half the allowance "
-        f"(power), over {draws} simulated samples of n items. Perplexity allowance +5 %, accuracy allowance "
-        f"{BINARY_ALLOWANCE:.0%} points. A pass on a t bound needs n >= {stats.MIN_ITEMS} and n > {stats.SKEW_RULE[0]} + {stats.SKEW_RULE[1]} skewness^2 "
+        f"(power), over {draws} simulated samples of n items, with the bounds of a first look at a checkpoint's weights "
+        f"(one-sided {1 - level:.2%}; later looks spend less, so that all of them together stay within 5 %). "
+        "Perplexity allowance +5 %, accuracy allowance "
+        f"{BINARY_ALLOWANCE:.0%} points. A pass on a t bound needs n >= {min_items(level)} and n > {stats.SKEW_RULE[0]} + {stats.SKEW_RULE[1]} skewness^2 "
         "(qserve/evaluate/stats.py says why).",
         "",
     ]

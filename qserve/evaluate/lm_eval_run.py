@@ -26,12 +26,35 @@ class EngineRun:
     extra: Any = None
 
 
+@dataclass(frozen=True)
+class Window:
+    """Which items an eval scores: the first `limit` (all if None), or `limit` items from `offset` on."""
+
+    limit: int | None
+    offset: int = 0
+
+    def key(self) -> int | str | None:
+        """For the baseline cache: the plain limit as before, a range when offset."""
+        return self.limit if not self.offset else f"{self.offset}:{self.offset + (self.limit or 0)}"
+
+    def describe(self) -> str:
+        if self.offset:
+            return f" (items {self.offset}-{self.offset + (self.limit or 0) - 1}, held out)"
+        return f" (limit {self.limit})" if self.limit else ""
+
+    def lm_eval(self, tasks: list[str]) -> dict[str, Any]:
+        """simple_evaluate's keywords: `limit`, or `samples` (document indices per task) for a window."""
+        if not self.offset:
+            return {"limit": self.limit}
+        return {"samples": {t: list(range(self.offset, self.offset + (self.limit or 0))) for t in tasks}}
+
+
 def run_lm_eval(
     model_path: Path,
     args: VllmArgs,
     device: detect.Device,
     configs: list[dict],
-    limit: int | None,
+    window: Window,
     label: str,
     during: Callable[[Any], Any] | None = None,
     emulated: bool = False,
@@ -45,8 +68,8 @@ def run_lm_eval(
     else:
         opened = engine.open_engine(model_path, args, device, label)
     with opened as lm:
-        with step(f"lm-eval on {label}: {', '.join(names)}" + (f" (limit {limit})" if limit else "")) as timing:
-            out = lm_eval.simple_evaluate(model=lm, tasks=configs, limit=limit, log_samples=True, bootstrap_iters=1000)
+        with step(f"lm-eval on {label}: {', '.join(names)}{window.describe()}") as timing:
+            out = lm_eval.simple_evaluate(model=lm, tasks=configs, log_samples=True, bootstrap_iters=1000, **window.lm_eval(names))
         extra = during(lm) if during else None
     keep = ("results", "n-samples", "configs", "versions", "higher_is_better")
     raw = _jsonable({k: out[k] for k in keep if k in out})

@@ -35,6 +35,8 @@ def format_table(summary: dict[str, Any]) -> str:
         lines.append(f"baseline: cached for {', '.join(cache['hits'])} (--refresh-baseline re-runs it)")
     if summary.get("emulated"):
         lines.append("EMULATED: scores come from transformers, not vLLM")
+    if _look_line(summary):
+        lines.append(_look_line(summary))
     limit = f" on {summary['limit']} items per task" if summary.get("limit") else ""
     lines.append(f"verdict: {summary['verdict'].upper()}{limit}")
     return "\n".join(lines)
@@ -54,6 +56,7 @@ def markdown_report(summary: dict[str, Any]) -> str:
         out += ["> **Emulated**: vLLM cannot run this scheme on this device; scores come from transformers.", ""]
     out += md_table(gate_rows(summary)) + [""]
     out += [f"- {g['task']} / {g['metric']}: **{_status(g)}**: {g['reason']}" for g in summary["gates"]] + [""]
+    out += [_look_line(summary), ""] if _look_line(summary) else []
     out += [
         "## Engine parity",
         "",
@@ -96,6 +99,16 @@ def markdown_report(summary: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(out)
+
+
+def _look_line(summary: dict[str, Any]) -> str | None:
+    """How many gate runs these weights have had: each spends part of the 5 % (looks.py)."""
+    look = summary.get("look") or {}
+    if not look.get("counted"):
+        return "tune search: not a gate decision (the winner is confirmed on held-out items)" if look else None
+    window = f"items {summary['offset']}-{summary['offset'] + summary['limit'] - 1}; " if summary.get("offset") else ""
+    return (f"look {look['number']} at these weights ({window}{len(look['earlier'])} earlier gate runs): "
+            f"bounds one-sided {1 - look['level']:.2%}, so that all looks together pass a model at its allowance at most 5 % of the time")  # fmt: skip
 
 
 def _status(gate: dict[str, Any]) -> str:

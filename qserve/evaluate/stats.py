@@ -13,8 +13,9 @@ tests/test_gate_levels.py proves each bound by simulation (`qserve gate-levels` 
   are the centred differences), centred with Johnson's (1978, JASA 73) skewness correction
   m3 / (6 m2 n). It is exact for normal terms, but no formula sees a loss a sample never drew, and
   skewed terms make a t bound too low (the sample misses the tail). So a pass also needs enough items:
-  * at least MIN_ITEMS = 59, the smallest n at which a loss carried by 5 % of documents is missed
-    by the whole sample at most 5 % of the time (0.95^59 < 0.05);
+  * at least log(alpha) / log(0.95) items (policy.min_items: 59 at 5 %, 69 at a first look's
+    3.04 %): below that, a loss carried by 5 % of documents is missed by the whole sample more than
+    alpha of the time, and no formula can see it;
   * more than 28 + 50 g1^2, where g1 is the terms' sample skewness: Cochran's rule for when the
     normal approximation of a mean holds (n > 28 + 25 g1^2 as revised by Sugden, Smith and Jones,
     2000, Survey Methodology 26(2)), with the skewness term doubled because that rule bounds the
@@ -35,10 +36,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from qserve.checkpoint.policy import MIN_ITEMS
+from qserve.checkpoint.spending import ALPHA, min_items
 from qserve.evaluate.gates import Bounds, Comparison
 
-ONE_SIDED = 0.05  # each bound is one-sided 95 %
+ONE_SIDED = ALPHA  # each bound is one-sided 95 % unless a caller spends less (looks.py)
 SKEW_RULE = (28, 50)  # a pass needs n > 28 + 50 g1^2 (the docstring says why)
 # lm-eval's corpus-level metrics: each item contributes (log-likelihood, words or bytes).
 WEIGHTED = {
@@ -74,8 +75,10 @@ def compare(
     higher_is_better: bool,
     baseline: tuple[float, float | None, ItemValues | None],
     quantized: tuple[float, float | None, ItemValues | None],
+    alpha: float = ONE_SIDED,
 ) -> Comparison:
-    """Scores (lm-eval's), their standard errors (lm-eval's, else linearized), and the paired bounds."""
+    """Scores (lm-eval's), their standard errors (lm-eval's, else linearized), and the paired bounds,
+    each one-sided at level `alpha`."""
     (b_score, b_se, b_items), (q_score, q_se, q_items) = baseline, quantized
     cmp = Comparison(metric_key, higher_is_better, b_score, q_score, b_se, q_se)
     metric = metric_key.partition(",")[0]
@@ -87,7 +90,7 @@ def compare(
         cmp.non_finite = True  # the gate fails on it with a line, never a traceback
         return cmp
     if metric in WEIGHTED:
-        return _weighted(cmp, metric, b, q) if len(ids) >= 2 else cmp
+        return _weighted(cmp, metric, b, q, alpha) if len(ids) >= 2 else cmp
     if not ids or not all(isinstance(v, float) for v in b + q):
         return cmp
     cmp.constant = len(ids) >= 2 and len(set(b) | set(q)) == 1  # one item says nothing of variance either way
@@ -95,7 +98,7 @@ def compare(
     d = [(x - y) if higher_is_better else (y - x) for x, y in zip(b, q)]
     cmp.paired_stderr = _sd(d) / math.sqrt(len(d)) if len(d) >= 2 else None
     binary = all(v in (0.0, 1.0) for v in b + q)
-    cmp.bounds = exact_binary_bounds(d) if binary else mean_bounds(d)
+    cmp.bounds = exact_binary_bounds(d, alpha) if binary else mean_bounds(d, alpha)
     if binary:
         cmp.flips = {"lost": d.count(1.0), "gained": d.count(-1.0)}
     return cmp
@@ -105,18 +108,20 @@ def _finite(v: Any) -> bool:
     return all(math.isfinite(x) for x in v) if isinstance(v, list) else math.isfinite(v)
 
 
-def exact_binary_bounds(d: list[float]) -> Bounds:
+def exact_binary_bounds(d: list[float], alpha: float = ONE_SIDED) -> Bounds:
     """Bounds on mean(d) for d in {-1, 0, 1} (lost, tied, gained per item).
 
     The degradation is p_lost - p_gained. With exact one-sided 97.5 % Clopper-Pearson bounds on
     each rate, [L(lost) - U(gained), U(lost) - L(gained)] holds with at least 95 % confidence each
-    side (Bonferroni), at any n.
+    side (Bonferroni), at any n; at level `alpha`, each rate's bound takes alpha / 2.
     """
     n = len(d)
     lost, gained = d.count(1.0), d.count(-1.0)
-    (lo_lost, hi_lost), (lo_gain, hi_gain) = clopper_pearson(lost, n), clopper_pearson(gained, n)
+    (lo_lost, hi_lost), (lo_gain, hi_gain) = clopper_pearson(lost, n, alpha / 2), clopper_pearson(gained, n, alpha / 2)
     method = f"exact binomial on discordant items ({lost} lost, {gained} gained of {n})"
-    return Bounds(float(lo_lost - hi_gain), float(hi_lost - lo_gain), method, n, discordant=(lost, gained))
+    bounds = Bounds(float(lo_lost - hi_gain), float(hi_lost - lo_gain), method, n, discordant=(lost, gained))
+    bounds.level = alpha
+    return bounds
 
 
 def clopper_pearson(k, n: int, alpha: float = ONE_SIDED / 2):
@@ -132,18 +137,18 @@ def clopper_pearson(k, n: int, alpha: float = ONE_SIDED / 2):
     return lo, hi
 
 
-def mean_bounds(d: list[float]) -> Bounds | None:
+def mean_bounds(d: list[float], alpha: float = ONE_SIDED) -> Bounds | None:
     """Per-item means that are not 0/1: the t bound on the centred differences; None without spread."""
     import numpy as np
 
     if len(d) < 2 or len(set(d)) == 1:
         return None
     arr = np.asarray(d, dtype=float)
-    return _bounds(linearized_t(float(arr.mean()), arr - arr.mean()), "paired t on per-item differences", len(d))
+    return _bounds(linearized_t(float(arr.mean()), arr - arr.mean(), alpha), "paired t on per-item differences", len(d), alpha)
 
 
-def linearized_t(estimate, terms) -> dict[str, Any]:
-    """One-sided 95 % t bounds from an estimate and its linearized terms (axis 0: items; further
+def linearized_t(estimate, terms, alpha: float = ONE_SIDED) -> dict[str, Any]:
+    """One-sided t bounds at level `alpha` from an estimate and its linearized terms (axis 0: items; further
     axes: independent replicates, as the simulation passes them), with the n a pass needs."""
     import numpy as np
     from scipy.stats import t
@@ -152,12 +157,12 @@ def linearized_t(estimate, terms) -> dict[str, Any]:
     n = terms.shape[0]
     m2 = np.mean(terms**2, axis=0)
     se = np.sqrt(m2 * n / (n - 1) / n)
-    half = float(t.ppf(1 - ONE_SIDED, n - 1)) * se
+    half = float(t.ppf(1 - alpha, n - 1)) * se
     m3 = np.mean(terms**3, axis=0)
     with np.errstate(divide="ignore", invalid="ignore"):
         g1 = np.where(m2 > 0, m3 / m2**1.5, 0.0)
         shift = np.where(m2 > 0, m3 / (6 * m2 * n), 0.0)  # Johnson's (1978) skewness correction
-    needs = np.maximum(MIN_ITEMS, np.floor(SKEW_RULE[0] + SKEW_RULE[1] * g1**2) + 1)
+    needs = np.maximum(min_items(alpha), np.floor(SKEW_RULE[0] + SKEW_RULE[1] * g1**2) + 1)
     centre = estimate + shift
     return {"estimate": estimate, "lower": centre - half, "upper": centre + half, "se": se, "skewness": g1, "needs": needs}
 
@@ -179,7 +184,7 @@ def ratio_terms(llb, nb, llq, nq) -> tuple[Any, Any]:
     return rate_q - rate_b, terms
 
 
-def _weighted(cmp: Comparison, metric: str, b: list, q: list) -> Comparison:
+def _weighted(cmp: Comparison, metric: str, b: list, q: list, alpha: float) -> Comparison:
     """Corpus-level metrics: linearized standard errors and the paired t bound over documents."""
     import numpy as np
 
@@ -196,18 +201,18 @@ def _weighted(cmp: Comparison, metric: str, b: list, q: list) -> Comparison:
         return cmp  # identical on every document: no spread, no bound
     estimate, terms = ratio_terms(*arr)
     sign = 1.0 if not cmp.higher_is_better else -1.0  # degradation: the loss went up
-    res = linearized_t(sign * estimate * scale, sign * terms * scale)
+    res = linearized_t(sign * estimate * scale, sign * terms * scale, alpha)
     cmp.paired_stderr = float(res["se"]) * (cmp.quantized if log else 1.0)
-    cmp.bounds = _bounds(res, f"paired t on {arr.shape[1]} documents' linearized terms", arr.shape[1])
+    cmp.bounds = _bounds(res, f"paired t on {arr.shape[1]} documents' linearized terms", arr.shape[1], alpha)
     return cmp
 
 
-def _bounds(res: dict[str, Any], method: str, n: int) -> Bounds:
+def _bounds(res: dict[str, Any], method: str, n: int, alpha: float) -> Bounds:
     g1, needs = float(res["skewness"]), int(res["needs"])
     why = (
         f"the per-item differences are skewed ({g1:.2g}): more than {SKEW_RULE[0]} + {SKEW_RULE[1]} x skewness^2"
-        if needs > MIN_ITEMS
-        else f"at least {MIN_ITEMS}, or a loss carried by 5 % of items can be missed"
+        if needs > min_items(alpha)
+        else f"at least {needs}, or a loss carried by 5 % of items can be missed"
     )
     return Bounds(
         float(res["lower"]),
@@ -218,6 +223,7 @@ def _bounds(res: dict[str, Any], method: str, n: int) -> Bounds:
         skewness=g1,
         needs=needs,
         needs_why=why,
+        level=alpha,
     )
 
 

@@ -18,8 +18,7 @@ class TaskDef(BaseModel):
     lm_eval_task: str | None = None  # start from this registered lm-eval task's config
     config: dict[str, Any] = {}  # lm-eval task config keys (override the base task's)
     data_files: dict[str, str]  # split -> file, relative to the data dir
-    metric: str  # "<metric>,<filter>" key in lm-eval's results
-    higher_is_better: bool
+    metric: str  # "<metric>,<filter>" key in lm-eval's results; which way is better: lm-eval's own higher_is_better
 
 
 def registry(evals_dir: Path | None = None) -> dict[str, TaskDef]:

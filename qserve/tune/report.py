@@ -121,6 +121,10 @@ def format_tune(result: dict[str, Any]) -> str:
         lines.append(f"recipe:     {result['recipe_file']}  (qserve quantize it to re-make the checkpoint)")
     if result.get("stopped"):
         lines.append(f"search stopped: {result['stopped']}")
+    conf = result.get("confirmation")
+    if conf:
+        lines.append(f"confirmation on held-out items {conf['items']}: {conf['verdict'].upper()}, recovery {conf['recovery']:.4f} "
+                     "(the gate record serve checks; the search's records are not gates)")  # fmt: skip
     if not w and result.get("closest"):
         c = result["closest"]
         lines.append(f"no candidate passed; closest: {c['name']} (k={c['k']}), recovery {c['recovery']:.4f}, {c['verdict']}")

@@ -6,6 +6,11 @@ scheme, in order of least KL per parameter (per byte saved). Accuracy falls (rou
 predicted k (the summed KL of the first k groups within half the gate's log-allowance) and then
 bisects between the largest k that passed and the smallest that failed, until the two meet or the
 budget (candidates, minutes) runs out.
+
+The search scores every candidate on the same items and keeps the best: the best of k looks better
+than it is (the winner's curse), so its search record is not a gate (serve refuses it). The winner
+is then evaluated on the next `limit` items, which no candidate was chosen on; that confirmation is
+its gate record, and only a confirmed winner's recipe is written.
 """
 
 from __future__ import annotations
@@ -122,7 +127,9 @@ def run_candidate(recipe_file: Path, out: Path, k: int, options: dict[str, Any])
     name = recipe_file.stem
     ckpt = out / name
     quantize(recipe_file, model=options["model"], output=ckpt, data_dir=options["data_dir"], force=ckpt.exists(), remember=False)
-    summary = evaluate(ckpt, tasks=options["tasks"], limit=options["limit"], data_dir=options["data_dir"], measure_decode=True)
+    summary = evaluate(
+        ckpt, tasks=options["tasks"], limit=options["limit"], data_dir=options["data_dir"], measure_decode=True, purpose="tune search"
+    )
     gate = summary["gates"][0]
     return {
         "name": name, "k": k, "recipe": str(recipe_file), "checkpoint": str(ckpt), "verdict": summary["verdict"],
@@ -151,6 +158,8 @@ def tune(
 
     if objective not in ("bytes", "throughput"):
         raise InvalidSpec(f"objective must be bytes or throughput, not {objective!r}")
+    if not limit and not sensitivity_only:
+        raise InvalidSpec("qserve tune needs --limit: the winner is confirmed on the next --limit items, held out from the search")
     recipe, _ = load_recipe(recipe_path)
     low = smaller_scheme(recipe, low, detect_device().kind)
     out = Path(out_dir or f"tune-{recipe.name}")
@@ -162,7 +171,7 @@ def tune(
         return result | {"files": files}
     options = {"model": model, "tasks": tasks, "limit": limit, "data_dir": data_dir}
     searched = _search(Path(recipe_path), recipe, ranking, low, options, budget or Budget(), out)
-    return _finish(result | searched, recipe, tasks, limit, objective, out)
+    return _finish(result | searched, recipe, tasks, (limit, data_dir), objective, out)
 
 
 def _sensitivity(
@@ -221,6 +230,18 @@ def _search(
             "candidates": list(rows.values()), "stopped": stopped}  # fmt: skip
 
 
+def _confirm(best: dict[str, Any], tasks: list[str] | None, limit: int | None, data_dir: Any) -> dict[str, Any]:
+    """The search's best, gated on the `limit` items after those the search chose it on."""
+    from qserve.evaluate.evaluation import evaluate
+
+    info(f"confirming {best['name']} on held-out items {limit}-{2 * limit - 1} (the search chose it on items 0-{limit - 1})")
+    summary = evaluate(best["checkpoint"], tasks=tasks, limit=limit, data_dir=data_dir, offset=limit)
+    gate = summary["gates"][0]
+    info(f"confirmation: {summary['verdict'].upper()}, recovery {gate['recovery']:.4f} on items {limit}-{2 * limit - 1}")
+    return {"verdict": summary["verdict"], "recovery": gate["recovery"], "bounds": gate.get("bounds"),
+            "items": f"{limit}-{2 * limit - 1}", "look": summary["look"]["number"]}  # fmt: skip
+
+
 def _group_modules(model: str | None, ignore: list[str]) -> dict[str, tuple[str, ...]]:
     """Layer names per group, from the model's structure (meta device: no weights loaded)."""
     import torch
@@ -250,18 +271,23 @@ def _try(
 
 
 def _finish(
-    result: dict[str, Any], recipe: Recipe, tasks: list[str] | None, limit: int | None, objective: str, out: Path
+    result: dict[str, Any], recipe: Recipe, tasks: list[str] | None, items: tuple[int | None, Any], objective: str, out: Path
 ) -> dict[str, Any]:
-    """Pick the winner, copy its recipe next to the tables, write them, remember its checkpoint."""
+    """Confirm the best on held-out items; copy the confirmed winner's recipe next to the tables, write them."""
+    limit, data_dir = items
     passed = [r for r in result["candidates"] if r["verdict"] == "pass"]
     key = (lambda r: r["layer_bytes_vs_bf16"]) if objective == "bytes" else (lambda r: -(r["decode_tokens_per_second"] or 0))
-    winner = min(passed, key=key) if passed else None
+    best = min(passed, key=key) if passed else None
+    result["confirmation"] = _confirm(best, tasks, limit, data_dir) if best else None
+    winner = best if best and result["confirmation"]["verdict"] == "pass" else None
     others = [r for r in result["candidates"] if r["verdict"] != "pass"]
     result |= {
         "tasks": tasks, "limit": limit, "objective": objective, "winner": winner,
         "closest": max(others, key=lambda r: r["recovery"]) if others and not winner else None,
         "gate": f"recovery >= {result['min_recovery']} at the one-sided 95 % bound",
     }  # fmt: skip
+    if best and not winner:
+        info(f"the search's best, {best['name']}, did not pass on held-out items: no recipe written")
     if winner:
         result["recipe_file"] = str(out / f"{recipe.name}-tuned.yaml")
         shutil.copyfile(winner["recipe"], result["recipe_file"])  # the same bytes: the same recipe hash
