@@ -16,7 +16,7 @@ from typing import Any
 from qserve.checkpoint.spending import min_items
 from qserve.evaluate import looks, stats
 
-SIZES = (2, 3, 5, 10, 20, 50, 60, 100, 200, 500)  # the n the gate is used at, the first n a t bound may pass at, and a larger one
+SIZES = (2, 3, 5, 10, 20, 50, 70, 100, 200, 500)  # the n the gate is used at, the first n a t bound may pass at, and a larger one
 ALLOWANCE = math.log(1.05)  # +5 % perplexity, on the log scale the gate decides on
 BINARY_ALLOWANCE = 0.05  # 5 points of accuracy
 MEAN_WORDS = 110  # documents have 20-200 words
