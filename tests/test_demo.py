@@ -34,6 +34,10 @@ def test_the_demo_passes_with_margin_and_serves(demo_run: DemoRun) -> None:
         # With margin: the 95 % upper bound of the loss is under half of what the gate allows.
         assert gate["bounds"]["upper"] < gate["bounds"]["allowed"] / 2, gate["reason"]
     assert f"verdict: PASS on {DEMO_LIMIT} items per task" in demo_run.stdout
+    # Beside the verdict: the screening KL against the baseline, and which look at these weights this was.
+    assert record["parity"]["kl_to_baseline"]["mean_nats"] > 0
+    assert f"mean KL(baseline || checkpoint) {record['parity']['kl_to_baseline']['mean_nats']:.4f} nats" in demo_run.stdout
+    assert f"look {record['look']['number']} at these weights" in demo_run.stdout
     assert re.fullmatch(r"serving out-w8a8-int8 at http://127\.0\.0\.1:\d+/v1", demo_run.stdout[-2])
 
 

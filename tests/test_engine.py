@@ -8,13 +8,18 @@ import pytest
 from conftest import quantize_in_process, run_qserve
 
 from qserve.checkpoint.manifest import read_manifest
+from qserve.checkpoint.models import baseline_model
 from qserve.checkpoint.schemes import SCHEMES
 from qserve.device import detect, engine
 from qserve.evaluate import parity
 
 
 def _parity(
-    ckpt: Path, overrides: dict | None = None, prompts: int = len(parity.PROMPTS), max_tokens: int = parity.MAX_TOKENS
+    ckpt: Path,
+    overrides: dict | None = None,
+    prompts: int = len(parity.PROMPTS),
+    max_tokens: int = parity.MAX_TOKENS,
+    baseline: Path | None = None,
 ) -> dict:
     """qserve's engine parity check on a real checkpoint, optionally with a changed engine setting;
     "first_token" is vLLM's greedy answer to parity's first prompt ("The capital of France is")."""
@@ -27,7 +32,8 @@ def _parity(
         first = lm.model.get_tokenizer().decode(generations[0].token_ids[:1])
     assert all(g.token_ids for g in generations)
     tolerance = parity.tolerance_for(SCHEMES[manifest.scheme].activations)
-    return parity.compare_with_transformers(ckpt, generations, tolerance) | {"first_token": first}
+    result = parity.compare_with_transformers(ckpt, generations, tolerance, baseline=baseline)
+    return result | {"first_token": first, "generations": generations}
 
 
 @pytest.mark.slow
@@ -53,8 +59,15 @@ def test_activation_quantized_checkpoint_matches_transformers(checkpoints) -> No
     # transformers emulates the INT8 activation quantization (compressed-tensors QDQ), but not
     # bit-exactly like vLLM's kernels: the looser, measured tolerance applies. (FP8's check shares
     # its engine with the serve matrix's: test_serve_matrix.py.)
-    result = _parity(checkpoints["w8a8-int8"])
+    ckpt = checkpoints["w8a8-int8"]
+    result = _parity(ckpt, baseline=baseline_model(read_manifest(ckpt)).path)
     assert result["status"] == "pass", result
+    # The screening KL: positive against the unquantized baseline, exactly 0 against the checkpoint itself.
+    kl = result["kl_to_baseline"]
+    assert kl["positions"] == result["positions"] and kl["mean_nats"] > 0
+    tolerance = parity.tolerance_for(SCHEMES["W8A8"].activations)
+    itself = parity.compare_with_transformers(ckpt, result["generations"], tolerance, baseline=ckpt)["kl_to_baseline"]
+    assert itself["mean_nats"] == 0.0
     assert result["tolerance"]["max_mean_abs_logprob_diff"] == parity.TOLERANCES["activation"].max_mean_abs_logprob_diff
     assert parity.PROMPTS[0] == "The capital of France is" and result["first_token"] == " Paris"
 
@@ -77,3 +90,18 @@ def test_unrunnable_combination_refused_before_engine(w4a16_float32: Path, comma
     assert line.startswith("error: W4A16 with dtype float32 cannot run on this machine (vLLM CPU build)")
     assert "cpu_gemm_wna16" in line and "set `dtype: float16`" in line
     assert "starting vLLM" not in proc.stderr
+
+
+def test_the_screening_kl_is_the_mean_kl_divergence() -> None:
+    """parity's KL(baseline || checkpoint) per position, against scipy's relative entropy."""
+    import numpy as np
+    import torch
+    from scipy.special import rel_entr
+
+    gen = torch.Generator().manual_seed(0)
+    base = [torch.randn(5, 11, generator=gen).log_softmax(-1) for _ in range(3)]
+    quant = [b + 0.3 * torch.randn(b.shape, generator=gen) for b in base]
+    quant = [q.log_softmax(-1) for q in quant]
+    expected = np.mean([rel_entr(b.exp().numpy(), q.exp().numpy()).sum() for bb, qq in zip(base, quant) for b, q in zip(bb, qq)])
+    got = parity._mean_kl(base, quant)
+    assert got["positions"] == 15 and abs(got["mean_nats"] - expected) < 1e-6

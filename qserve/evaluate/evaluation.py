@@ -309,8 +309,9 @@ def _skipped(reason: str) -> dict[str, str]:
 
 def _parity(ckpt: Path, manifest: Manifest, generations: list) -> dict[str, Any]:
     tolerance = parity.tolerance_for(SCHEMES[manifest.scheme].activations, manifest.vllm_args.kv_cache_dtype)
+    baseline = baseline_model(manifest).path  # for the screening KL beside the gate
     with step("engine parity: transformers teacher-forced on vLLM's greedy tokens") as timing:
-        result = parity.compare_with_transformers(ckpt, generations, tolerance, manifest.vllm_args.trust_remote_code)
+        result = parity.compare_with_transformers(ckpt, generations, tolerance, manifest.vllm_args.trust_remote_code, baseline)
     result["seconds"] = timing["seconds"]
     if result["status"] == "fail":
         info(f"ENGINE PARITY FAILED: vLLM and transformers disagree on this checkpoint ({result['reason']})")

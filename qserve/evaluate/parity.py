@@ -71,28 +71,61 @@ def vllm_generations(lm: Any, prompts: list[str] = PROMPTS, max_tokens: int = MA
 
 
 def compare_with_transformers(
-    checkpoint: Path, generations: list[Generation], tolerance: Tolerance, trust_remote_code: bool = False
+    checkpoint: Path,
+    generations: list[Generation],
+    tolerance: Tolerance,
+    trust_remote_code: bool = False,
+    baseline: Path | None = None,
 ) -> dict[str, Any]:
-    """Teacher-force vLLM's tokens through transformers (float32) and measure the divergence."""
+    """Teacher-force vLLM's tokens through transformers (float32) and measure the divergence. With
+    `baseline`, also the mean KL divergence of the baseline's next-token distributions from the
+    checkpoint's on the same tokens: a screening number beside the gate, never a gate."""
+    quantized = _teacher_forced(checkpoint, generations, trust_remote_code)
+    result = _divergence(quantized, generations, tolerance)
+    if baseline is not None:
+        result["kl_to_baseline"] = _mean_kl(_teacher_forced(baseline, generations, trust_remote_code), quantized)
+    return result
+
+
+def _teacher_forced(model_path: Path, generations: list[Generation], trust_remote_code: bool) -> list[Any]:
+    """Per generation: transformers' log-probabilities (float32) at each generated position."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, trust_remote_code=trust_remote_code)
     model.eval()
-    diffs: list[float] = []
-    agree = shortfall = 0.0
-    positions = 0
+    out = []
     for gen in generations:
         ids = torch.tensor([gen.prompt_ids + gen.token_ids])
         with torch.no_grad():
             logprobs = model(ids).logits[0].float().log_softmax(-1)
+        start = len(gen.prompt_ids) - 1
+        out.append(logprobs[start : start + len(gen.token_ids)])
+    del model
+    return out
+
+
+def _mean_kl(baseline: list[Any], quantized: list[Any]) -> dict[str, Any]:
+    """KL(baseline || quantized) per position, averaged: how far quantization moved the model's
+    predictions. Near zero it loses meaning (engine noise is of the same size), so it only screens."""
+    import torch
+
+    per_position = torch.cat([(b.exp() * (b - q)).sum(-1) for b, q in zip(baseline, quantized)])
+    return {"mean_nats": round(float(per_position.mean()), 6), "positions": int(per_position.numel()),
+            "note": "screening number, not a gate: transformers on vLLM's greedy tokens, baseline vs checkpoint"}  # fmt: skip
+
+
+def _divergence(quantized: list[Any], generations: list[Generation], tolerance: Tolerance) -> dict[str, Any]:
+    diffs: list[float] = []
+    agree = shortfall = 0.0
+    positions = 0
+    for logprobs, gen in zip(quantized, generations):
         for j, (token, top) in enumerate(zip(gen.token_ids, gen.top_logprobs)):
-            row = logprobs[len(gen.prompt_ids) - 1 + j]
+            row = logprobs[j]
             agree += int(int(row.argmax()) == token)
             shortfall = max(shortfall, float(row.max() - row[token]))
             diffs += [abs(lp - float(row[tid])) for tid, lp in top.items()]
             positions += 1
-    del model
     return _judge(
         positions,
         agree / max(positions, 1),

@@ -27,6 +27,8 @@ def format_table(summary: dict[str, Any]) -> str:
     lines = text_table(gate_rows(summary))
     lines += [f"  {g['task']} {g['metric']}: {_status(g)}: {g['reason']}" for g in summary["gates"]]
     lines.append(f"engine parity: {summary['parity']['status'].upper()}: {summary['parity'].get('reason', '')}")
+    if _kl_line(summary):
+        lines.append(_kl_line(summary))
     kv = summary.get("kv_cache") or {}
     if kv.get("status") not in (None, "skipped"):
         lines.append(f"kv cache ({kv['kv_cache_dtype']}): {kv['status'].upper()}: {kv['reason']}")
@@ -72,6 +74,7 @@ def markdown_report(summary: dict[str, Any]) -> str:
             f"(maximum allowed {t['max_mean_abs_logprob_diff']}; {t['why']}).",
             "",
         ]
+    out += [_kl_line(summary), ""] if _kl_line(summary) else []
     kv = summary.get("kv_cache") or {}
     if kv.get("status") not in (None, "skipped"):
         out += [
@@ -99,6 +102,14 @@ def markdown_report(summary: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(out)
+
+
+def _kl_line(summary: dict[str, Any]) -> str | None:
+    kl = (summary.get("parity") or {}).get("kl_to_baseline")
+    if not kl:
+        return None
+    return (f"screening (not a gate): mean KL(baseline || checkpoint) {kl['mean_nats']:.4f} nats per token "
+            f"over {kl['positions']} positions of the parity prompts")  # fmt: skip
 
 
 def _look_line(summary: dict[str, Any]) -> str | None:
