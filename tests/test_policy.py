@@ -72,18 +72,22 @@ def test_an_operator_policy_file(tmp_path: Path) -> None:
         read_policy(path)
 
 
+def _sign(ckpt: Path, *extra: str) -> tuple[int, str]:
+    """`qserve sign` with a fresh key: its exit code and last stderr line."""
+    private, _ = make_keys(ckpt.parent, "owner")
+    proc = run_qserve_in_process("sign", ckpt, "--private-key", private, *extra)
+    return proc.returncode, (proc.stderr.strip().splitlines() or [""])[-1]
+
+
 def test_sign_refuses_a_looser_gate_and_records_an_accepted_difference(tmp_path: Path) -> None:
     ckpt = _checkpoint(tmp_path, [_gate(items=20)])
-    private, _ = make_keys(tmp_path, "owner")
-    proc = run_qserve_in_process("sign", ckpt, "--private-key", private)
-    assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines()[-1] == (
+    assert _sign(ckpt) == (
+        1,
         f"error: the gate record does not meet the policy of recipe r: gsm8k_ppl word_perplexity,none passed on 20 items, "
-        f"below the policy's minimum of {MIN_ITEMS} (re-run `qserve eval` with the policy's gates and --limit, or pass --accept-gate-difference)"
+        f"below the policy's minimum of {MIN_ITEMS} (re-run `qserve eval` with the policy's gates and --limit, or pass --accept-gate-difference)",
     )
     assert not (ckpt / "qserve_signature.sig").exists()
-    proc = run_qserve_in_process("sign", ckpt, "--private-key", private, "--accept-gate-difference")
-    assert proc.returncode == 0, proc.stderr
+    assert _sign(ckpt, "--accept-gate-difference")[0] == 0
     record = json.loads((ckpt / EVAL_NAME).read_text())
     assert record["waivers"] == [
         {"accepted_by": "sign", "policy": "recipe r", "differences": [f"gsm8k_ppl word_perplexity,none passed on 20 items, below the policy's minimum of {MIN_ITEMS}"]}
@@ -96,10 +100,8 @@ def test_a_tune_search_record_is_no_gate(tmp_path: Path) -> None:
     ckpt = _checkpoint(tmp_path, [_gate()])
     record = json.loads((ckpt / EVAL_NAME).read_text())
     (ckpt / EVAL_NAME).write_text(json.dumps(record | {"purpose": "tune search"}))
-    private, _ = make_keys(tmp_path, "owner")
-    proc = run_qserve_in_process("sign", ckpt, "--private-key", private)
-    assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines()[-1] == (
+    assert _sign(ckpt) == (
+        1,
         f"error: {ckpt}'s gate record is from a `qserve tune` search, which kept the best of several candidates on the same "
-        f"items; its gate is the tune's confirmation on held-out items, or `qserve eval {ckpt}`"
+        f"items; its gate is the tune's confirmation on held-out items, or `qserve eval {ckpt}`",
     )
