@@ -177,7 +177,7 @@ def serve_vs_vllm(ckpt: Path) -> dict[str, Any]:
 
 
 def eval_vs_lm_eval(ckpt: Path, work: Path, data_dir: Path) -> dict[str, Any]:
-    """`qserve eval` (hashing, checks, two engines, bootstrap bounds, reports; no parity, baseline
+    """`qserve eval` (hashing, checks, two engines, gate bounds, reports; no parity, baseline
     re-run) against a bare lm-eval script doing the same evaluations with the same engines."""
     from qserve.checkpoint.manifest import read_manifest
     from qserve.checkpoint.models import baseline_model

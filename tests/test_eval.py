@@ -32,9 +32,9 @@ def test_eval_writes_results_and_passes(passed_eval) -> None:
     ppl = gates["gsm8k_ppl"]
     assert ppl["baseline"] > 1 and abs(ppl["quantized"] / ppl["baseline"] - 1) < 0.1  # 8-bit: close either way
     assert ppl["recovery"] == pytest.approx(ppl["baseline"] / ppl["quantized"]) and ppl["status"] == "pass"
-    # lm-eval has no stderr for perplexity; qserve bootstraps one, and the paired noise is tighter.
+    # lm-eval has no stderr for perplexity; qserve linearizes one, and the paired noise is tighter.
     assert ppl["baseline_stderr"] > 0 and 0 < ppl["degradation_stderr"] < ppl["baseline_stderr"]
-    assert ppl["test"] == f"paired BCa bootstrap over {DEMO_LIMIT} documents"
+    assert ppl["test"] == f"paired t on {DEMO_LIMIT} documents' linearized terms"
     assert ppl["bounds"]["scale"] == "relative" and ppl["bounds"]["upper"] < ppl["bounds"]["allowed"]
     assert summary["parity"]["status"] == "pass" and summary["emulated"] is False
     assert summary["engine_args"]["quantized"] == {

@@ -96,7 +96,7 @@ def markdown_report(summary: dict[str, Any]) -> str:
         f"- Versions: {', '.join(f'{k} {v}' for k, v in sorted(summary['versions'].items()))}",
         f"- Timings (s): {', '.join(f'{k} {v}' for k, v in summary['timings'].items())}",
         "",
-        "Scores with ± are lm-eval's standard errors (bootstrap over items for perplexities). "
+        "Scores with ± are lm-eval's standard errors (for perplexities, qserve's by linearization over documents). "
         "Degradation is how much worse the quantized model is, ± the paired standard error over the same items; "
         "a pass must clear the allowance at the one-sided 95% noise bound.",
         "",
