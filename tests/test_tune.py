@@ -163,6 +163,8 @@ def test_tune_finds_a_smaller_mix_that_passes_in_vllm_and_its_recipe_remakes_it(
         (["recipes/w8a8-int8.yaml", "--with", "mxfp4"],
          "error: mixing W8A8 with MXFP4 was never seen to run in vLLM here; runnable partners: W4A16"),
         (["recipes/w8a8-int8.yaml", "--objective", "speed"], "error: objective must be bytes or throughput, not 'speed'"),
+        (["recipes/w8a8-int8.yaml"],
+         "error: qserve tune needs --limit: the winner is confirmed on the next --limit items, held out from the search"),
         (["recipes/quark-w4a16.yaml"],
          "error: qserve tune starts from an llm-compressor recipe with one scheme (no overrides, kv_cache or sparsity)"),
     ],

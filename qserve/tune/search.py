@@ -158,10 +158,10 @@ def tune(
 
     if objective not in ("bytes", "throughput"):
         raise InvalidSpec(f"objective must be bytes or throughput, not {objective!r}")
-    if not limit and not sensitivity_only:
-        raise InvalidSpec("qserve tune needs --limit: the winner is confirmed on the next --limit items, held out from the search")
     recipe, _ = load_recipe(recipe_path)
     low = smaller_scheme(recipe, low, detect_device().kind)
+    if not limit and not sensitivity_only:
+        raise InvalidSpec("qserve tune needs --limit: the winner is confirmed on the next --limit items, held out from the search")
     out = Path(out_dir or f"tune-{recipe.name}")
     out.mkdir(parents=True, exist_ok=True)
     ranking, files = _sensitivity(recipe, model, data_dir, low, group_size, out)
