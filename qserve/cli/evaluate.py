@@ -62,6 +62,10 @@ def eval_(
     (README.md) into the checkpoint; the libraries' output goes to CHECKPOINT/logs/eval.log. Exit 3 if
     a gate, parity or the KV check fails, 4 if no gate could decide (too few items).
 
+    Every eval of the same weights is a look: the k-th decides at a smaller level, so that all of
+    them together pass a model at its allowance at most 5 % of the time. A perplexity gate passes
+    only on enough items (`qserve gate-levels` shows false-pass and power by --limit).
+
     \b
     Examples:
       qserve eval out-w8a8-int8 --tasks gsm8k_ppl --limit 100
