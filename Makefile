@@ -8,7 +8,7 @@ RECIPE ?= recipes/w8a8-int8.yaml
 TASKS ?= gsm8k_ppl
 LIMIT ?= 100
 
-.PHONY: setup demo test test-fast
+.PHONY: setup demo test test-fast matrix
 
 setup:
 	@$(UV) --version >/dev/null 2>&1 || python3 -m pip install --user --quiet uv
@@ -24,3 +24,8 @@ test: setup
 
 test-fast: setup
 	$(UV) run --locked --extra cpu pytest -ra -m "not slow"
+
+# Every architecture x every shipped scheme, run for real on tiny random-initialised models (about an
+# hour and a half on 2 cores); regenerates docs/architectures.md and its .json.
+matrix: setup
+	$(UV) run --locked --extra cpu qserve matrix --out docs/architectures.md

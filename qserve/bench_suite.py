@@ -11,7 +11,6 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -262,7 +261,7 @@ def _fp8_fallback(scheme: str, device: detect.Device) -> bool:
 def run_suite(recipes_dir: Path, work: Path, data_dir: str | Path | None = None) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
     data = paths.data_dir(data_dir)
-    result: dict[str, Any] = {"machine": _machine()}
+    result: dict[str, Any] = {"machine": detect.machine()}
     with step("benchmark: qserve --help cold start"):
         result |= help_cold_start()
     result |= quantize_vs_oneshot(recipes_dir / "w4a16-gptq.yaml", work, data)
@@ -290,34 +289,6 @@ def _goal(key: str, value: float | None) -> dict[str, Any]:
     op, target = GOALS[key]
     met = value is not None and (value <= target if op == "<=" else value >= target)
     return {"value": value, "goal": f"{op} {target}", "met": met}
-
-
-def _machine() -> dict[str, Any]:
-    import os
-    import platform
-
-    return {
-        "cpus": os.cpu_count(),
-        "cpu": detect.cpu_fields().get("model name", "unknown"),
-        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "commit": _commit(),
-    }
-
-
-def _commit() -> str:
-    """The git commit of the code measured (with -dirty for uncommitted changes), else qserve's version."""
-    repo = Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo, capture_output=True, text=True)
-        return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        from importlib.metadata import version
-
-        return f"qserve {version('qserve')}"
 
 
 def markdown(result: dict[str, Any]) -> str:

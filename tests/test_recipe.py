@@ -93,8 +93,10 @@ def test_quark_takes_no_llmcompressor_algorithms() -> None:
 
 
 def test_awq_is_for_weight_only_schemes() -> None:
-    with pytest.raises(QserveError, match="awq protects weight-only schemes; W8A8"):
+    with pytest.raises(QserveError, match="awq is offered for weight-only schemes; W8A8 quantizes activations too"):
         parse_recipe("name: t\nscheme: W8A8\nalgorithm: awq\ncalibration: {source: gsm8k-train}\n")
+    with pytest.raises(QserveError, match="autoround is offered for weight-only schemes; FP8_DYNAMIC quantizes"):
+        parse_recipe("name: t\nscheme: FP8_DYNAMIC\nalgorithm: autoround\ncalibration: {source: gsm8k-train}\n")
 
 
 def test_scheme_and_modifiers_are_exclusive() -> None:

@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from qserve.cli import checkpoint, evaluate, gate, quantize, run, serve, tools, tune
+from qserve.cli import checkpoint, evaluate, gate, matrix, quantize, run, serve, tools, tune
 from qserve.cli._common import user_errors as _user_errors  # noqa: F401  (tests drive it directly)
 
 app = typer.Typer(
@@ -19,7 +19,7 @@ app = typer.Typer(
     "Also: `qserve doctor` (what runs here), `qserve inspect CKPT`, `qserve reproduce CKPT`, `qserve sign CKPT`, "
     "`qserve compare recipes/*.yaml`, `qserve tune RECIPE` (the smallest per-layer mix that passes), "
     "`qserve bench CKPT` (or `--suite`), `qserve gate BASE_RUN QUANT_RUN` (the gate on two lm-eval runs), "
-    "`qserve gate-levels` (what the gate guarantees at each n).",
+    "`qserve gate-levels` (what the gate guarantees at each n), `qserve matrix` (architectures x schemes, run for real).",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
@@ -40,6 +40,7 @@ app.command("bench")(serve.bench)
 app.command("doctor")(tools.doctor)
 app.command("gate")(gate.gate)
 app.command("gate-levels")(gate.gate_levels)
+app.command("matrix")(matrix.matrix)
 
 
 def main() -> None:

@@ -65,3 +65,33 @@ def fingerprint(device: Device) -> str:
         return f"{device.kind}: {device.detail}"
     flags = sorted(f for f in cpu_flags() if f.startswith(_KERNEL_FLAGS))
     return f"cpu: {cpu_fields().get('model name', 'unknown')}; {' '.join(flags)}"
+
+
+def machine() -> dict[str, Any]:
+    """What a published figure was measured on, and with which code (benchmarks, the matrix page)."""
+    import os
+    import platform
+    import time
+
+    return {
+        "cpus": os.cpu_count(),
+        "cpu": cpu_fields().get("model name", "unknown"),
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "commit": commit(),
+    }
+
+
+def commit() -> str:
+    """The git commit of qserve's code (with -dirty for uncommitted changes), else qserve's version."""
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo, capture_output=True, text=True)
+        return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return f"qserve {importlib.metadata.version('qserve')}"

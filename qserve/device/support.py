@@ -13,6 +13,8 @@ only the eval engine was seen to run.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
 
 from qserve.checkpoint.manifest import Manifest
 from qserve.checkpoint.schemes import parts_of
@@ -243,3 +245,27 @@ def check_runnable(manifest: Manifest, kind: str, detail: str) -> None:
             f"vLLM's in-process engine runs {manifest.scheme} ({manifest.vllm_args.quantization}) on this machine ({detail}), "
             "but its API server was never seen to answer with it here; qserve serves only what it has measured"
         )
+
+
+def float16_refusal(model_type: str) -> str | None:
+    """vLLM's own reason for refusing float16 for a model type (its `_FLOAT16_NOT_SUPPORTED_MODELS`:
+    Gemma 2 and 3, GLM-4 in vLLM 0.32), else None. Read from the installed vLLM's source rather than
+    imported: importing vllm.config takes 10-20 s, and quantizing needs no vLLM otherwise."""
+    return _float16_refusals().get(model_type)
+
+
+@cache
+def _float16_refusals() -> dict[str, str]:
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")  # the top-level package only: nothing of vLLM is executed
+    if spec is None or not spec.submodule_search_locations:
+        return {}
+    source = Path(spec.submodule_search_locations[0]) / "config" / "model.py"
+    if not source.is_file():
+        return {}
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "_FLOAT16_NOT_SUPPORTED_MODELS" for t in node.targets):
+            return ast.literal_eval(node.value)
+    return {}

@@ -129,11 +129,8 @@ def markdown(rows: list[dict[str, Any]], provenance: str) -> str:
 
 def provenance(draws: int) -> str:
     """The command, date and commit a page of this table was made with (the simulation needs no machine)."""
-    import subprocess
     from datetime import UTC, datetime
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    return f"Made by `qserve gate-levels --draws {draws}` on {datetime.now(UTC):%Y-%m-%d}, commit {commit} (seeded: any machine gives the same table)."
+    from qserve.device.detect import commit
+
+    return f"Made by `qserve gate-levels --draws {draws}` on {datetime.now(UTC):%Y-%m-%d}, commit {commit()} (seeded: any machine gives the same table)."

@@ -112,3 +112,28 @@ def sum_records(records: list[dict[str, Any]]) -> dict[str, Any]:
             for key, values in counts.items():
                 total["layers"][layer][key] = [a + b for a, b in zip(total["layers"][layer][key], values, strict=True)]
     return total
+
+
+# A router (or a shared-expert gate) decides which experts run; quantizing it changes routing, which no
+# expert's calibration can repair. transformers 5 makes most routers a *Router module of their own (not
+# a Linear, so "Linear" targets miss them); some models still use a Linear named like these.
+ROUTER_NAME_ENDS = (".gate", ".router", ".shared_expert_gate")
+QUANTIZATION_PARAMS = ("weight_scale", "weight_packed", "weight_zero_point", "weight_global_scale")
+
+
+def quantized_routers(ckpt: Path) -> list[str]:
+    """Routers the written checkpoint stores quantized (read from the safetensors headers)."""
+    from qserve.checkpoint.tensors import tensor_headers
+
+    modules = {name.rsplit(".", 1)[0] for name in tensor_headers(ckpt) if name.rsplit(".", 1)[-1] in QUANTIZATION_PARAMS}
+    return sorted(m for m in modules if m.endswith(ROUTER_NAME_ENDS))
+
+
+def check_routers_unquantized(ckpt: Path) -> None:
+    routers = quantized_routers(ckpt)
+    if routers:
+        shown = ", ".join(routers[:4]) + (f" and {len(routers) - 4} more" if len(routers) > 4 else "")
+        raise QserveError(
+            f"the recipe quantized {len(routers)} MoE router(s) ({shown}), which would change which experts each token "
+            "goes to; add them to the recipe's ignore (e.g. 're:.*mlp.gate$')"
+        )

@@ -22,6 +22,7 @@ from qserve.checkpoint.records import write_text
 from qserve.checkpoint.schemes import SCHEMES
 from qserve.errors import QserveError, is_out_of_memory
 from qserve.progress import info, step
+from qserve.quantize import architecture
 from qserve.quantize.execution import (
     Execution,
     choose,
@@ -74,8 +75,11 @@ def quantize(
         raise QserveError(f"output {out} already exists; pass --force to replace it or --output to choose another")
     ref = resolve_model(model or recipe.model)
     check_output(out, ref.path)
+    recipe = architecture.with_routers_ignored(ref.path, recipe, trust_remote_code)
     check_shapes(ref.path, recipe, trust_remote_code)
     check_moe(ref.path, recipe, trust_remote_code)
+    architecture.check_dtype(ref.path, recipe)
+    architecture.check_mappings(ref.path, recipe, trust_remote_code)
     recipe = with_default_calibration(recipe)
     run = choose(recipe, ref.path, nproc, (nodes or {}).get("nnodes", 1))
     if run.path != "in_memory":  # the usual path stays quiet; the manifest records it either way
@@ -170,6 +174,11 @@ def _run(
             raise
     scheme = SCHEMES[name]
     sparsity = check_structured_sparsity(partial, recipe.sparsity) if recipe.sparsity else None
+    experts = _experts_record(ref.path, trust_remote_code, counts)
+    if experts is not None:
+        from qserve.quantize.experts import check_routers_unquantized
+
+        check_routers_unquantized(partial)
     with step("hashing checkpoint files"):
         files = hash_files(partial)
     manifest = Manifest(
@@ -183,7 +192,7 @@ def _run(
         vllm_args=VllmArgs(
             quantization=backend_module(recipe.backend).QUANTIZATION_METHOD,
             kv_cache_dtype=recipe.kv_cache.dtype if recipe.kv_cache else "auto",
-            dtype=recipe.dtype or scheme.vllm_dtype,
+            dtype=architecture.serving_dtype(ref.path, recipe, scheme.vllm_dtype),
             trust_remote_code=trust_remote_code,
         ),
         timings={
@@ -194,7 +203,7 @@ def _run(
         files=files,
         environment=environment(ref.path),
         execution=execution,
-        experts=_experts_record(ref.path, trust_remote_code, counts),
+        experts=experts,
         sparsity=sparsity,
     )
     write_manifest(partial, manifest)

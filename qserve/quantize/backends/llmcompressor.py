@@ -19,8 +19,6 @@ def build_modifiers(recipe: Recipe, model: Any = None) -> Any:
     if recipe.modifiers is not None:
         return _checked_plain_recipe(recipe.modifiers)
     from compressed_tensors.quantization import QuantizationArgs
-    from llmcompressor.modifiers.gptq import GPTQModifier
-    from llmcompressor.modifiers.quantization import QuantizationModifier
     from llmcompressor.modifiers.transform import AWQModifier
     from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
 
@@ -37,12 +35,46 @@ def build_modifiers(recipe: Recipe, model: Any = None) -> Any:
             modifiers.append(_sparsegpt(recipe, model))
         if recipe.algorithm == "awq":
             # Current llm-compressor: AWQ only smooths; a quantization modifier after it quantizes.
-            modifiers.append(AWQModifier(**options))
+            mappings = awq_mappings(type(model).__name__) if model is not None else None
+            modifiers.append(AWQModifier(**({"mappings": mappings} if mappings else {}), **options))
             options = {}
-        modifiers.append((GPTQModifier if recipe.algorithm == "gptq" else QuantizationModifier)(**quant, **options))
+        modifiers.append(_quantizing_modifier(recipe.algorithm)(**quant, **options))
     except (TypeError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
-        raise QserveError(f"algorithm_options for {recipe.algorithm}: {_first_line(exc)}") from None
+        raise QserveError(f"algorithm_options for {recipe.algorithm}: {first_line(exc)}") from None
     return modifiers
+
+
+# Architectures llm-compressor's AWQ registry lacks whose layers have the structure of one it has.
+# OLMo 2 normalizes after attention and after the MLP, with no norm before either, like OLMo 3 (whose
+# entry smooths only v_proj -> o_proj and up_proj -> down_proj, the pairs with no norm between them).
+# Mixtral's decoder layer is Qwen3-MoE's (mlp.gate router, mlp.experts): without the MoE entry the
+# default mappings smooth post_attention_layernorm without balancing the router, which reads the same
+# activations, so routing would change.
+AWQ_SAME_LAYERS_AS = {"Olmo2ForCausalLM": "Olmo3ForCausalLM", "MixtralForCausalLM": "Qwen3MoeForCausalLM"}
+
+
+def awq_mappings(arch: str) -> Any:
+    """qserve's AWQ mappings for an architecture llm-compressor's registry lacks; None: the registry's own."""
+    if arch not in AWQ_SAME_LAYERS_AS:
+        return None
+    from llmcompressor.modifiers.transform.awq.mappings import AWQ_MAPPING_REGISTRY
+
+    return AWQ_MAPPING_REGISTRY[AWQ_SAME_LAYERS_AS[arch]]
+
+
+def _quantizing_modifier(algorithm: str) -> type:
+    """The llm-compressor modifier that quantizes with `algorithm` (AWQ smooths first, then rtn)."""
+    if algorithm == "gptq":
+        from llmcompressor.modifiers.gptq import GPTQModifier
+
+        return GPTQModifier
+    if algorithm == "autoround":
+        from llmcompressor.modifiers.autoround import AutoRoundModifier
+
+        return AutoRoundModifier
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    return QuantizationModifier
 
 
 def _sparsegpt(recipe: Recipe, model: Any) -> Any:
@@ -78,7 +110,7 @@ def config_groups(recipe: Recipe) -> dict[str, Any]:
     return groups
 
 
-def _first_line(exc: Exception) -> str:
+def first_line(exc: Exception) -> str:
     lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
     return " ".join(lines[:3]) if lines else type(exc).__name__
 
@@ -88,7 +120,12 @@ def _checked_plain_recipe(modifiers: dict[str, Any]) -> str:
     import yaml
 
     text = yaml.safe_dump(modifiers, sort_keys=False)
-    _instantiate(text)
+    if not _instantiate(text):
+        # llm-compressor reads modifiers only inside a stage; at the top level it finds none, silently.
+        raise QserveError(
+            "llm-compressor found no modifiers in the recipe's `modifiers:`; put them inside a stage, e.g. "
+            "modifiers: {quant_stage: {quant_modifiers: {QuantizationModifier: {...}}}}"
+        )
     return text
 
 
@@ -98,7 +135,7 @@ def _instantiate(text: str) -> list[Any]:
     try:
         return list(LlmcRecipe.create_instance(text).modifiers)
     except Exception as exc:  # llm-compressor raises ValueError, KeyError, pydantic errors
-        raise QserveError(f"llm-compressor rejected the recipe's modifiers: {_first_line(exc)}") from None
+        raise QserveError(f"llm-compressor rejected the recipe's modifiers: {first_line(exc)}") from None
 
 
 def modifiers_need_data(modifiers: dict[str, Any]) -> bool:

@@ -1,0 +1,54 @@
+"""`qserve matrix`: tiny models of the architectures users bring, through every shipped scheme."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from qserve.cli._common import DataDirOpt, split, user_errors
+
+
+@user_errors
+def matrix(
+    archs: Annotated[str | None, typer.Option("--archs", help="Comma-separated architectures (default: all; see --list).")] = None,
+    columns: Annotated[str | None, typer.Option("--columns", help="Comma-separated recipes of the matrix (default: all).")] = None,
+    workdir: Annotated[Path | None, typer.Option("--workdir", help="Models, checkpoints and logs (default: the qserve cache's matrix/).")] = None,
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the Markdown page here (and the results as JSON beside it).")] = None,
+    serve: Annotated[bool, typer.Option("--serve/--no-serve", help="Also serve each passing cell and ask one chat question.")] = True,
+    data_dir: DataDirOpt = None,
+    list_: Annotated[bool, typer.Option("--list", help="List the architectures and columns, and exit.")] = False,
+) -> None:
+    """Build tiny random-initialised models of real architectures (Llama, Qwen 2 and 3, Mistral, Gemma 2
+    and 3, Phi-3, OLMo 2, Granite, Qwen3-MoE, Mixtral), quantize each with the shipped recipes, compare
+    vLLM with transformers on the same weights, and serve it: the cells that pass, and the message of each
+    that does not. About a minute or two per cell on 2 CPU cores.
+
+    \b
+    Examples:
+      qserve matrix --list
+      qserve matrix --archs qwen3,qwen3_moe --columns w8a8-int8,w4a16-awq
+      qserve matrix --out docs/architectures.md          # the whole matrix (make matrix)
+    """
+    from qserve.matrix.cells import COLUMNS
+    from qserve.matrix.tiny import ARCHITECTURES
+
+    if list_:
+        for name, arch in ARCHITECTURES.items():
+            typer.echo(f"{name:<12} {arch.what}")
+        typer.echo("columns: " + ", ".join(f"{c} ({r})" for c, r in COLUMNS.items()))
+        return
+    from qserve.matrix.page import markdown
+    from qserve.matrix.run import default_workdir, provenance, run_matrix
+
+    chosen = split(archs) if archs else list(ARCHITECTURES)
+    results = run_matrix(chosen, split(columns) if columns else list(COLUMNS), workdir or default_workdir(), data_dir, serve)
+    page = markdown([c.record() for c in results], provenance(archs, columns))
+    if out is not None:
+        from qserve.checkpoint.records import write_text
+
+        write_text(out, page + "\n")
+        write_text(out.with_suffix(".json"), json.dumps([c.record() for c in results], indent=1) + "\n")
+    typer.echo(page)

