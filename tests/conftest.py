@@ -173,7 +173,7 @@ def quantize_in_process(recipe: Path, out: Path) -> Path:
 
 # Recipes added for the scheme matrix calibrate on less data in tests (same schema, scheme and
 # code path; the shipped counts are for quality): keeps the suite's wall time in check.
-SHRUNK = {"w4a16-awq", "w4a16-fp8kv", "fp8-static", "quark-fp8-kv", "nvfp4", "w4a16-gptq"}
+SHRUNK = {"w4a16-awq", "w4a16-fp8kv", "fp8-static", "quark-fp8-kv", "nvfp4", "w4a16-gptq", "w4a16-autoround", "fp8-kv"}
 
 
 def recipe_for_tests(name: str, root: Path) -> Path:
@@ -183,6 +183,7 @@ def recipe_for_tests(name: str, root: Path) -> Path:
     text = path.read_text().replace("samples: 32", "samples: 8").replace("seq_len: 256", "seq_len: 128")
     if "algorithm: awq" in text:
         text += "algorithm_options: {n_grid: 3}\n"
+    text = text.replace("iters: 200", "iters: 10")  # AutoRound's tuning steps per block
     shrunk = root / f"{name}.yaml"
     shrunk.write_text(text)
     return shrunk

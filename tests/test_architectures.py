@@ -200,3 +200,36 @@ def test_a_plain_recipe_without_a_stage_is_refused_instead_of_doing_nothing(tmp_
         "modifiers: {quant_stage: {quant_modifiers: {QuantizationModifier: {...}}}}",
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["flat.yaml"]
+
+
+# The CI slice of `make matrix`: a dense non-Llama architecture whose config changes what qserve must do
+# (Gemma 2: offset RMSNorm under AWQ, float16 refused by vLLM, sliding-window layers), and a mixture of
+# experts through a scheme vLLM-CPU runs for experts.
+SLICE = [("gemma2", "w4a16-awq"), ("qwen3_moe", MOE_COLUMN)]
+
+
+@pytest.fixture(scope="module")
+def slice_cells(tmp_path_factory):
+    from qserve.matrix.run import run_cells
+
+    return run_cells(SLICE, tmp_path_factory.mktemp("matrix"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(SLICE)), ids=[f"{a}-{c}" for a, c in SLICE])
+def test_the_slice_quantizes_loads_agrees_and_serves(slice_cells, index) -> None:
+    cell = slice_cells[index]
+    assert (cell.status, cell.reason) == ("pass", "")
+    assert list(cell.seconds) == ["quantize", "load", "agree", "serve"]
+    m = cell.metrics
+    # The tolerance, recomputed here from its two measured parts.
+    q, engines, effect = m["quantized_pair"], m["unquantized_pair"], m["quantization_effect"]
+    assert 0 <= q["mean_kl"] <= engines["mean_kl"] + effect["mean_kl"]
+    assert q["disagreement"] <= engines["disagreement"] + effect["disagreement"]
+    assert q["positions"] == 4 * 16
+    assert (m["chat"]["http_status"], m["chat"]["tokens"] > 0) == (200, True)
+
+
+@pytest.mark.slow
+def test_gemma_is_served_in_bfloat16_because_vllm_refuses_float16(slice_cells) -> None:
+    assert slice_cells[0].metrics["dtype"] == "bfloat16"  # W4A16's usual float16, changed before the work

@@ -26,11 +26,13 @@ from qserve.evaluate import parity
 # recipe -> (scheme, vLLM quantization method, kv_cache_dtype) the checkpoint must record
 EXPECTED = {
     "fp8": ("FP8_DYNAMIC", "compressed-tensors", "auto"),
+    "fp8-kv": ("FP8_DYNAMIC", "compressed-tensors", "fp8"),
     "fp8-static": ("FP8", "compressed-tensors", "auto"),
     "w8a8-int8": ("W8A8", "compressed-tensors", "auto"),
     "smollm2-tuned": ("W8A8+W4A16", "compressed-tensors", "auto"),
     "w4a16-gptq": ("W4A16", "compressed-tensors", "auto"),
     "w4a16-awq": ("W4A16", "compressed-tensors", "auto"),
+    "w4a16-autoround": ("W4A16", "compressed-tensors", "auto"),
     "w4a16-fp8kv": ("W4A16", "compressed-tensors", "fp8"),
     "mxfp4": ("MXFP4", "compressed-tensors", "auto"),
     "llmcompressor-fp8-dynamic": ("FP8_DYNAMIC", "compressed-tensors", "auto"),
@@ -46,13 +48,13 @@ EXPECTED = {
 }
 # The recipes that calibrate (the others are data-free, including the plain FP8-dynamic one).
 CALIBRATED = {"fp8-static", "w8a8-int8", "smollm2-tuned", "w4a16-gptq", "w4a16-awq", "w4a16-fp8kv", "quark-fp8-kv", "nvfp4"}
-CALIBRATED |= {"w8a8-int8-2of4"}
+CALIBRATED |= {"w8a8-int8-2of4", "w4a16-autoround", "fp8-kv"}
 # Parity for the older recipes is in test_engine; w4a16-fp8kv's in test_eval_checks_the_fp8_kv_scales_arrived.
 # The plain-recipe FP8_DYNAMIC checkpoint records the same (method, scheme) as `fp8`, whose parity
 # test_engine checks; it is only quantized here (FP8 decodes at ~30 s a token on this CPU).
 # FP8_BLOCK's CPU kernel needs AMX tiles: runnable (parity) on an AMX CPU, probed to fail without.
 AMX = "amx_tile" in detect.cpu_flags()
-RUNNABLE_NEW = ["w4a16-awq", "quark-w4a16", "w8a8-int8-2of4", *(["fp8-block"] if AMX else [])]
+RUNNABLE_NEW = ["w4a16-awq", "w4a16-autoround", "quark-w4a16", "w8a8-int8-2of4", *(["fp8-block"] if AMX else [])]
 # Runnable matrix entries are proven by parity tests (vLLM loads them and matches transformers):
 PARITY_TESTED = ["fp8", "llmcompressor-fp8-dynamic", "w8a8-int8", "smollm2-tuned", "w4a16-gptq", "w4a16-fp8kv", *RUNNABLE_NEW]
 # the others by a probe that must see vLLM fail (plus one runnable, so the probe is seen to pass too).

@@ -173,12 +173,7 @@ def _run(
                 raise QserveError(_out_of_memory(run.path, recipe)) from None
             raise
     scheme = SCHEMES[name]
-    sparsity = check_structured_sparsity(partial, recipe.sparsity) if recipe.sparsity else None
-    experts = _experts_record(ref.path, trust_remote_code, counts)
-    if experts is not None:
-        from qserve.quantize.experts import check_routers_unquantized
-
-        check_routers_unquantized(partial)
+    sparsity, experts = _checked_export(ref.path, recipe, partial, trust_remote_code, counts)
     with step("hashing checkpoint files"):
         files = hash_files(partial)
     manifest = Manifest(
@@ -208,6 +203,20 @@ def _run(
     )
     write_manifest(partial, manifest)
     return manifest
+
+
+def _checked_export(
+    model_path: Path, recipe: Recipe, partial: Path, trust_remote_code: bool, counts: dict | None
+) -> tuple[dict | None, dict | None]:
+    """What the written files must show before they are hashed (2:4 sparsity where asked, no router
+    quantized), and the manifest's `sparsity` and `experts` records."""
+    sparsity = check_structured_sparsity(partial, recipe.sparsity) if recipe.sparsity else None
+    experts = _experts_record(model_path, trust_remote_code, counts)
+    if experts is not None:
+        from qserve.quantize.experts import check_routers_unquantized
+
+        check_routers_unquantized(partial)
+    return sparsity, experts
 
 
 def _experts_record(model_path: Path, trust_remote_code: bool, counts: dict | None) -> dict | None:
