@@ -36,3 +36,15 @@ def is_out_of_memory(exc: BaseException) -> bool:
     if isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno == errno.ENOMEM):
         return True
     return isinstance(exc, (RuntimeError, OSError)) and "allocate memory" in str(exc).lower()
+
+
+def innermost_message(exc: BaseException) -> str:
+    """A library's message on one line: the innermost cause's type and last non-empty line (where
+    vLLM and transformers put the reason, under their own wrapping)."""
+    while exc.__cause__ is not None or exc.__context__ is not None:
+        inner = exc.__cause__ or exc.__context__
+        if not str(inner).strip():
+            break
+        exc = inner
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return f"{type(exc).__name__}: {lines[-1] if lines else ''}"[:400]

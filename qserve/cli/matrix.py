@@ -18,6 +18,7 @@ def matrix(
     workdir: Annotated[Path | None, typer.Option("--workdir", help="Models, checkpoints and logs (default: the qserve cache's matrix/).")] = None,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the Markdown page here (and the results as JSON beside it).")] = None,
     serve: Annotated[bool, typer.Option("--serve/--no-serve", help="Also serve each passing cell and ask one chat question.")] = True,
+    resume: Annotated[bool, typer.Option("--resume", help="Keep the cells an interrupted run already wrote to WORKDIR/matrix.json.")] = False,
     data_dir: DataDirOpt = None,
     list_: Annotated[bool, typer.Option("--list", help="List the architectures and columns, and exit.")] = False,
 ) -> None:
@@ -44,7 +45,7 @@ def matrix(
     from qserve.matrix.run import default_workdir, provenance, run_matrix
 
     chosen = split(archs) if archs else list(ARCHITECTURES)
-    results = run_matrix(chosen, split(columns) if columns else list(COLUMNS), workdir or default_workdir(), data_dir, serve)
+    results = run_matrix(chosen, split(columns) if columns else list(COLUMNS), workdir or default_workdir(), data_dir, serve, resume)
     page = markdown([c.record() for c in results], provenance(archs, columns))
     if out is not None:
         from qserve.checkpoint.records import write_text

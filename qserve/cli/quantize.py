@@ -39,7 +39,7 @@ def quantize(
     """Quantize a model with a recipe and export a safetensors checkpoint plus qserve_manifest.json.
 
     The recipe picks the backend (llm-compressor or AMD Quark), the scheme (FP8_DYNAMIC, FP8, W8A8,
-    W4A16, MXFP4, MXFP4A16; FP8_BLOCK, MXFP8, NVFP4, NVFP4A16, W4AFP8), the algorithm (rtn, gptq, awq), an optional FP8 KV cache, and the
+    W4A16, MXFP4, MXFP4A16; FP8_BLOCK, MXFP8, NVFP4, NVFP4A16, W4AFP8), the algorithm (rtn, gptq, awq, autoround), an optional FP8 KV cache, and the
     calibration data (files, a hub dataset, a weighted mix, or text the model writes itself). See
     recipes/ for one of each; the manifest records the vLLM arguments the checkpoint needs. The
     libraries' output goes to OUTPUT/logs/quantize.log; the checkpoint's path is printed on stdout.

@@ -34,10 +34,15 @@ def lm_kwargs(model_path: Path, quantization: str | None, trust_remote_code: boo
 @contextmanager
 def open_transformers(model_path: Path, quantization: str | None, label: str, trust_remote_code: bool = False) -> Iterator[Any]:
     """lm-eval's HFLM on the checkpoint (transformers dequantizes or emulates the scheme)."""
+    import torch
     from lm_eval.models.huggingface import HFLM
+
+    from qserve.checkpoint.in_transformers import load_checked
 
     kwargs = lm_kwargs(model_path, quantization, trust_remote_code)
     kwargs.pop("backend_kind")
     with step(f"loading {label} in transformers ({kwargs['dtype']}; emulated: vLLM cannot run the checkpoint here)"):
-        lm = HFLM(**kwargs)
+        # loaded by qserve so that a weight transformers would leave at random init is an error
+        model = load_checked(model_path, getattr(torch, kwargs["dtype"]), trust_remote_code)
+        lm = HFLM(**{**kwargs, "pretrained": model, "tokenizer": str(model_path)})
     yield lm

@@ -89,20 +89,9 @@ def compare_with_transformers(
 
 def _teacher_forced(model_path: Path, generations: list[Generation], trust_remote_code: bool) -> list[Any]:
     """Per generation: transformers' log-probabilities (float32) at each generated position."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from qserve.checkpoint.in_transformers import teacher_forced
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, trust_remote_code=trust_remote_code)
-    model.eval()
-    out = []
-    for gen in generations:
-        ids = torch.tensor([gen.prompt_ids + gen.token_ids])
-        with torch.no_grad():
-            logprobs = model(ids).logits[0].float().log_softmax(-1)
-        start = len(gen.prompt_ids) - 1
-        out.append(logprobs[start : start + len(gen.token_ids)])
-    del model
-    return out
+    return teacher_forced(model_path, [(g.prompt_ids, g.token_ids) for g in generations], trust_remote_code)
 
 
 def _mean_kl(baseline: list[Any], quantized: list[Any]) -> dict[str, Any]:

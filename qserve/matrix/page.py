@@ -54,9 +54,9 @@ def _agreement_table(results: list[dict[str, Any]]) -> list[str]:
         m = r["metrics"]
         if "quantized_pair" not in m:
             continue
-        q, e, effect = m["quantized_pair"], m["unquantized_pair"], m["quantization_effect"]
+        q, limit = m["quantized_pair"], m["limits"]
         rows.append(
-            f"| {r['architecture']} | {r['column']} | {m['dtype']} | {q['mean_kl']:.4f} | {e['mean_kl'] + effect['mean_kl']:.4f} "
-            f"| {q['disagreement']:.1%} | {e['disagreement'] + effect['disagreement']:.1%} |"
+            f"| {r['architecture']} | {r['column']} | {m['dtype']} | {q['mean_kl']:.4f} | {limit['mean_kl']:.4f} "
+            f"| {q['disagreement']:.1%} | {limit['disagreement']:.1%} |"
         )
     return rows

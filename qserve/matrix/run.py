@@ -11,7 +11,7 @@ from typing import Any
 
 from qserve import paths
 from qserve.capture import library_output
-from qserve.errors import InvalidSpec, QserveError
+from qserve.errors import InvalidSpec, QserveError, innermost_message
 from qserve.matrix import cells
 from qserve.matrix.cells import Cell, Distributions, Timer
 from qserve.matrix.tiny import build, get_architecture
@@ -40,14 +40,20 @@ class Reference:
 
 
 def run_matrix(
-    architectures: list[str], columns: list[str], workdir: Path, data_dir: Path | None = None, serve: bool = True
+    architectures: list[str], columns: list[str], workdir: Path, data_dir: Path | None = None, serve: bool = True,
+    resume: bool = False,
 ) -> list[Cell]:
-    """Every (architecture, column) cell, in order; results also written to workdir/matrix.json."""
-    return run_cells([(a, c) for a in architectures for c in columns], workdir, data_dir, serve)
+    """Every (architecture, column) cell, in order, but a mixture-of-experts column on a dense
+    architecture; results also written to workdir/matrix.json."""
+    pairs = [(a, c) for a in architectures for c in columns if get_architecture(a).moe or c not in cells.MOE_ONLY]
+    return run_cells(pairs, workdir, data_dir, serve, resume)
 
 
-def run_cells(pairs: list[tuple[str, str]], workdir: Path, data_dir: Path | None = None, serve: bool = True) -> list[Cell]:
-    """The given (architecture, column) cells; each architecture's tiny model is built once."""
+def run_cells(
+    pairs: list[tuple[str, str]], workdir: Path, data_dir: Path | None = None, serve: bool = True, resume: bool = False
+) -> list[Cell]:
+    """The given (architecture, column) cells; each architecture's tiny model is built once. With
+    `resume`, cells already in workdir/matrix.json (of an interrupted run) are kept, not re-run."""
     for arch, column in pairs:
         get_architecture(arch)
         if column not in cells.COLUMNS:
@@ -57,8 +63,12 @@ def run_cells(pairs: list[tuple[str, str]], workdir: Path, data_dir: Path | None
     tokenizer = resolve_model(None).path
     references: dict[str, Reference] = {}
     results: list[Cell] = []
+    done = _finished(workdir / "matrix.json") if resume else {}
     for arch, column in pairs:
         root = workdir / arch
+        if (arch, column) in done:
+            results.append(done[arch, column])
+            continue
         if arch not in references:
             references[arch] = Reference(build(arch, root / "model", tokenizer), root / "logs")
         cell = run_cell(arch, column, references[arch], root, data_dir, serve)
@@ -67,6 +77,11 @@ def run_cells(pairs: list[tuple[str, str]], workdir: Path, data_dir: Path | None
         count("matrix cells", len(results), len(pairs))
         (workdir / "matrix.json").write_text(json.dumps([c.record() for c in results], indent=1) + "\n")
     return results
+
+
+def _finished(results: Path) -> dict[tuple[str, str], Cell]:
+    records = json.loads(results.read_text()) if results.exists() else []
+    return {(r["architecture"], r["column"]): Cell(**r) for r in records}
 
 
 def line(cell: Cell) -> str:
@@ -89,7 +104,7 @@ def run_cell(arch: str, column: str, reference: Reference, root: Path, data_dir:
     except QserveError as exc:
         cell.status, cell.reason = "fail", str(exc)
     except Exception as exc:  # a library's own failure in this cell: recorded, the matrix goes on
-        cell.status, cell.reason = "fail", cells.first_line(exc)
+        cell.status, cell.reason = "fail", innermost_message(exc)
     return cell
 
 
@@ -113,7 +128,7 @@ def _logged(cell: Cell, log: Path, work: Callable[[], Any], refused_is: str = "r
             cell.status, cell.reason = refused_is, str(exc)
         except Exception as exc:
             traceback.print_exc()
-            cell.status, cell.reason = "fail", cells.first_line(exc)
+            cell.status, cell.reason = "fail", innermost_message(exc)
     return None
 
 
@@ -126,14 +141,18 @@ def _compare(cell: Cell, out: Path, manifest: Any, reference: Reference, log: Pa
     if engine is None:
         return
     with Timer(cell, "agree"):
-        quantized = cells.transformers_distributions(out, engine)
-        unquantized = cells.transformers_distributions(reference.model, engine)
+        quantized = _logged(cell, log.with_name(f"{cell.column}-transformers.log"),
+                            lambda: cells.transformers_distributions(out, engine), "fail")  # fmt: skip
+        if quantized is None:
+            return
+        with library_output(log.with_name(f"{cell.column}-transformers-unquantized.log")):
+            unquantized = cells.transformers_distributions(reference.model, engine)
         pair = cells.agreement(quantized, engine)
         engines = reference.engines(manifest.vllm_args.dtype)
         effect = cells.agreement(unquantized, quantized)
     cell.metrics.update(
         dtype=manifest.vllm_args.dtype, quantized_pair=pair.__dict__, unquantized_pair=engines.__dict__,
-        quantization_effect=effect.__dict__,
+        quantization_effect=effect.__dict__, limits=dict(zip(("mean_kl", "disagreement"), cells.limits(engines, effect, pair.positions))),
     )  # fmt: skip
     problem = cells.within(pair, engines, effect)
     if problem:

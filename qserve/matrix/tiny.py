@@ -4,8 +4,8 @@ classes with a fixed seed, over the embedded SmolLM2 tokenizer.
 Every width is a multiple of 256, so every scheme's group (W4A16's 128, MXFP4's 32, NVFP4's 16,
 FP8_BLOCK's 128 x 128) divides it. Each config keeps its own defaults for what makes the architecture
 itself (embedding tying, norms, QK-norm, soft-capping); two layers, so that an architecture that
-alternates sliding-window and full attention has one of each. The sliding window (32 tokens) is
-shorter than the matrix's prompts plus their answers, so its masking is exercised, not skipped.
+alternates sliding-window and full attention has one of each. The sliding window (16 tokens) is
+shorter than every matrix prompt plus its answer, so its masking is exercised, not skipped.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qserve.capture import library_output
 from qserve.errors import InvalidSpec
 
 VOCAB = 49152  # the SmolLM2 tokenizer's
 SEED = 0
-SLIDING_WINDOW = 32
+SLIDING_WINDOW = 16
 COMMON: dict[str, Any] = {
     "vocab_size": VOCAB, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
@@ -39,6 +40,10 @@ class Architecture:
     # 4-4.6 nats (measured on every non-Gemma entry). Gemma multiplies embeddings by sqrt(hidden),
     # so a smaller std does the same (0.08: 7-8 nats, 0.09: 3-4.4).
     init: float = 0.25
+
+    @property
+    def moe(self) -> bool:
+        return any(k in self.extra for k in ("num_experts", "num_local_experts"))
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -108,7 +113,8 @@ def build(name: str, out: Path, tokenizer_dir: Path, seed: int = SEED) -> Path:
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.to(torch.bfloat16).save_pretrained(out)
+    with library_output(out.parent / f"{out.name}-build.log"):  # transformers' shard-writing progress bar
+        model.to(torch.bfloat16).save_pretrained(out)
     for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(tokenizer_dir / file, out / file)
     return out
