@@ -6,6 +6,7 @@ served). The whole matrix is `make matrix` (docs/architectures.md)."""
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,71 @@ def test_smoothquant_on_olmo2_is_refused_before_calibration_with_the_librarys_me
     )
     assert list(tmp_path.iterdir()) == []  # nothing written, not even a partial directory
     assert "quantizing" not in r.stderr  # refused before the work
+
+
+def _smoothed_kl(model_path: Path) -> float:
+    """KL (nats per position) between a model's next-token distributions before and after llm-compressor's
+    SmoothQuant alone (no quantization), which must keep the model's function."""
+    import torch
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    ids = torch.tensor([tokenizer("Once upon a time, in a small village, there lived a").input_ids])
+    with torch.no_grad():
+        before = model(ids).logits.log_softmax(-1)
+    texts = ["The capital of France is Paris, a city of light. " * 4, "def f(n): return n if n < 2 else f(n - 1) + f(n - 2)\n" * 3]
+    data = Dataset.from_dict({"input_ids": [tokenizer(t).input_ids[:64] for t in texts * 4]})
+    oneshot(model=model, dataset=data, recipe=[SmoothQuantModifier(smoothing_strength=0.8)], num_calibration_samples=8, max_seq_length=64)
+    with torch.no_grad():
+        after = model(ids).logits.log_softmax(-1)
+    return float((before.exp() * (before - after)).sum(-1).mean())
+
+
+def test_smoothing_into_a_one_plus_weight_norm_changes_the_model(tiny_models) -> None:
+    """The premise of the refusal below, measured with llm-compressor alone: on Llama smoothing is exact
+    (measured 5e-8 nats), on Gemma 2 it moves the model by 0.73 nats."""
+    assert _smoothed_kl(tiny_models["llama"]) < 1e-5
+    assert _smoothed_kl(tiny_models["gemma2"]) > 0.1
+
+
+def test_one_plus_weight_norms_are_found_by_running_them(tiny_models) -> None:
+    from qserve.quantize.architecture import _skeleton
+    from qserve.quantize.norms import offset_norms
+
+    found = {name: set(offset_norms(_skeleton(path, False)).values()) for name, path in tiny_models.items()}
+    assert {name: classes for name, classes in found.items() if classes} == {
+        "gemma2": {"Gemma2RMSNorm"}, "gemma3_text": {"Gemma3RMSNorm"},
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3_text"])
+def test_smoothquant_on_gemma_is_refused_before_calibration(tiny_models, tmp_path, arch) -> None:
+    out = tmp_path / "out"
+    r = run_qserve_in_process("quantize", REPO / "recipes" / "w8a8-int8.yaml", "--model", tiny_models[arch], "--output", out)
+    cls = {"gemma2": "Gemma2", "gemma3_text": "Gemma3"}[arch]
+    assert (r.returncode, r.stderr.splitlines()[-1]) == (
+        1,
+        f"error: SmoothQuant cannot run on {cls}ForCausalLM: its norms ({cls}RMSNorm) scale by (1 + weight), and "
+        "llm-compressor folds the smoothing scale into the weight alone, which would change the model "
+        "(re:.*input_layernorm, re:.*post_attention_layernorm); choose a recipe without smoothquant",
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_awq_on_gemma_smooths_only_between_linear_layers(tiny_models) -> None:
+    from qserve.quantize.architecture import _skeleton
+    from qserve.quantize.backends.llmcompressor import awq_mappings_for
+
+    kept, dropped = awq_mappings_for(_skeleton(tiny_models["gemma2"], False))
+    assert dropped == ["re:.*input_layernorm$", "re:.*pre_feedforward_layernorm$"]
+    assert [(m.smooth_layer, m.balance_layers) for m in kept] == [
+        ("re:.*v_proj$", ["re:.*o_proj$"]), ("re:.*up_proj$", ["re:.*down_proj$"]),
+    ]  # fmt: skip
+    assert awq_mappings_for(_skeleton(tiny_models["llama"], False)) == (None, [])
 
 
 def test_float16_on_gemma_is_refused_before_calibration(tiny_models, tmp_path) -> None:
@@ -216,12 +282,19 @@ def test_a_weight_transformers_would_leave_at_random_init_is_an_error(tiny_model
     from safetensors.torch import load_file, save_file
 
     from qserve.checkpoint.in_transformers import load_checked
+    from qserve.checkpoint.manifest import read_manifest
     from qserve.errors import QserveError
 
     out = tmp_path / "out"
     recipe = REPO / "recipes" / "moe-w8a8-experts-bf16.yaml"
     r = run_qserve_in_process("quantize", recipe, "--model", tiny_models["qwen3_moe"], "--output", out)
     assert r.returncode == 0, r.stderr
+    manifest = read_manifest(out)
+    assert (manifest.scheme, manifest.vllm_args.quantization, manifest.vllm_args.kv_cache_dtype) == ("W8A8", "compressed-tensors", "auto")
+    assert manifest.recipe["ignore"] == ["lm_head", "re:.*mlp\\.experts\\..*"]
+    assert manifest.experts["quantized"] is False  # so qserve eval and serve use vLLM's unquantized MoE kernel
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["ignore"][-1] == "re:.*\\.experts\\..*"  # vLLM's names for Mixtral's experts match it too
     load_checked(out, "float32")
     (shard,) = out.glob("*.safetensors")
     tensors = load_file(shard)
@@ -281,3 +354,25 @@ def test_the_slice_quantizes_loads_agrees_and_serves(slice_cells, index) -> None
 @pytest.mark.slow
 def test_gemma_is_served_in_bfloat16_because_vllm_refuses_float16(slice_cells) -> None:
     assert slice_cells[0].metrics["dtype"] == "bfloat16"  # W4A16's usual float16, changed before the work
+
+
+# What the support table says vLLM-CPU does with quantized experts, each seen failing with vLLM's own message
+# (the matrix marks such a cell "no kernel": the support table expected exactly that failure).
+MOE_REFUSED = {"w8a8-int8": ("compressed-tensors", "W8A8"), "fp8-dynamic": ("compressed-tensors", "FP8_DYNAMIC")}
+
+
+@pytest.fixture(scope="module")
+def moe_refusals(tmp_path_factory):
+    from qserve.matrix.run import run_cells
+
+    return run_cells([("qwen3_moe", column) for column in MOE_REFUSED], tmp_path_factory.mktemp("moe"), serve=False)
+
+
+@pytest.mark.slow
+def test_vllm_cpu_refuses_quantized_experts_with_the_message_the_support_table_names(moe_refusals) -> None:
+    from qserve.device import support
+
+    for cell in moe_refusals:
+        claim = support.CPU_MOE[MOE_REFUSED[cell.column]]
+        assert (cell.status, cell.stage, claim.runs) == ("no kernel", "load", False)
+        assert claim.failure in cell.reason, cell.reason

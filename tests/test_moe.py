@@ -90,6 +90,7 @@ def test_every_expert_calibrates_on_every_token_and_the_counts_are_recorded(moe_
     tokens = calibration_tokens(moe_model, recipe_file(tmp_path))
     assert tokens > 8 * 100  # the premise: 8 samples of mostly full 128-token windows
     assert (experts["experts_per_layer"], experts["experts_per_token"], experts["all_experts_calibrated"]) == (8, 1, True)
+    assert experts["quantized"] is True  # W4A16 experts (the bf16-experts recipe: test_architectures)
     layers = experts["layers"]
     assert list(layers) == [f"model.layers.{i}.mlp.experts" for i in range(LAYERS)]
     for counts in layers.values():

@@ -64,7 +64,8 @@ class Manifest(BaseModel):
     # and peak RSS per rank). Absent in manifests written before it was recorded.
     execution: dict[str, Any] | None = None
     # Mixture of experts only: experts per layer and per token, and when calibrated, per MoE layer
-    # the tokens the router sent each expert and the tokens each expert calibrated on.
+    # the tokens the router sent each expert and the tokens each expert calibrated on; `quantized`:
+    # whether the written files store any expert quantized (absent before it was recorded).
     experts: dict[str, Any] | None = None
     # 2:4-sparse recipes only: the structure, checked in the exported weights, and the zeros' share.
     sparsity: dict[str, Any] | None = None

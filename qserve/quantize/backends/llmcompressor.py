@@ -35,7 +35,7 @@ def build_modifiers(recipe: Recipe, model: Any = None) -> Any:
             modifiers.append(_sparsegpt(recipe, model))
         if recipe.algorithm == "awq":
             # Current llm-compressor: AWQ only smooths; a quantization modifier after it quantizes.
-            mappings = awq_mappings(type(model).__name__) if model is not None else None
+            mappings = awq_mappings_for(model)[0] if model is not None else None
             modifiers.append(AWQModifier(**({"mappings": mappings} if mappings else {}), **options))
             options = {}
         modifiers.append(_quantizing_modifier(recipe.algorithm)(**quant, **options))
@@ -60,6 +60,19 @@ def awq_mappings(arch: str) -> Any:
     from llmcompressor.modifiers.transform.awq.mappings import AWQ_MAPPING_REGISTRY
 
     return AWQ_MAPPING_REGISTRY[AWQ_SAME_LAYERS_AS[arch]]
+
+
+def awq_mappings_for(model: Any) -> tuple[list[Any] | None, list[str]]:
+    """The AWQ mappings for this model: qserve's or the registry's, minus any that would fold a scale
+    into a norm that scales by (1 + weight) (norms.py), None for the registry's own unchanged; and the
+    smooth layers left out."""
+    from llmcompressor.modifiers.transform.awq.dynamic_mappings import get_layer_mappings_from_model
+
+    from qserve.quantize.norms import without_offset_smoothing
+
+    mappings = awq_mappings(type(model).__name__) or get_layer_mappings_from_model(model)
+    kept, dropped = without_offset_smoothing(mappings, model)
+    return (kept if dropped else awq_mappings(type(model).__name__)), dropped
 
 
 def _quantizing_modifier(algorithm: str) -> type:
