@@ -194,6 +194,16 @@ def test_an_unknown_architecture_is_one_error_line(tmp_path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_resume_keeps_the_cells_an_interrupted_run_wrote(tmp_path) -> None:
+    from qserve.matrix.cells import Cell
+    from qserve.matrix.run import run_cells
+
+    done = Cell("qwen3", "mxfp4", "no kernel", "load", "ValueError: Failed to find a kernel", {"quantize": 2.0, "load": 1.5})
+    (tmp_path / "matrix.json").write_text(json.dumps([done.record()]))
+    assert run_cells([("qwen3", "mxfp4")], tmp_path, serve=False, resume=True) == [done]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["matrix.json"]  # nothing built, nothing re-run
+
+
 def test_agreement_is_the_mean_kl_and_top1_disagreement_computed_by_hand() -> None:
     import math
 
@@ -219,6 +229,26 @@ def test_the_tolerance_is_the_engines_noise_plus_what_quantization_changed() -> 
     assert within(Agreement(0.0299, 0.15 + noise - 0.001, 64), engines, effect) is None
     assert within(Agreement(0.0301, 0.23, 64), engines, effect) == "KL 0.0301 > 0.0300 nats; top-1 disagreement 23.0% > 22.5%"
     assert within(Agreement(float("nan"), 0.0, 64), engines, effect) == "vLLM's log-probabilities are not finite"
+    # An FP8 KV cache: what it changed in vLLM is added, and its flips join the binomial margin.
+    kv = Agreement(0.005, 0.05, 64)
+    noise = 2 * (0.15 * 0.85 / 64) ** 0.5
+    assert within(Agreement(0.0349, 0.20 + noise - 0.001, 64), engines, effect, kv) is None
+    assert within(Agreement(0.0351, 0.20, 64), engines, effect, kv) == "KL 0.0351 > 0.0350 nats"
+
+
+def test_the_kv_cache_effect_is_measured_where_both_runs_saw_the_same_tokens() -> None:
+    import torch
+
+    from qserve.matrix.cells import Distributions, agreement, common_prefix
+
+    a = Distributions([[1], [2]], [[5, 6, 7], [8, 9]], [torch.zeros(3, 4), torch.zeros(2, 4)])
+    b = Distributions([[1], [2]], [[5, 6, 0], [3, 9]], [torch.zeros(3, 4), torch.zeros(2, 4)])
+    cut_a, cut_b = common_prefix(a, b)
+    assert (cut_a.token_ids, cut_b.token_ids) == ([[5, 6], []], [[5, 6], []])
+    assert [t.shape[0] for t in cut_a.logprobs] == [2, 0]
+    uniform = torch.full((4,), -torch.log(torch.tensor(4.0)))
+    assert agreement(Distributions([[1]], [[5]], [uniform[None]]), Distributions([[1]], [[5]], [uniform[None]])).positions == 1
+    assert agreement(*common_prefix(Distributions([[1]], [[5]], [uniform[None]]), Distributions([[1]], [[6]], [uniform[None]]))).positions == 0
 
 
 PLAIN_FP8 = """name: plain-fp8
@@ -263,7 +293,7 @@ def test_fused_experts_are_filled_exactly_as_transformers_own_converter_fuses_th
     import torch
     from transformers import AutoModelForCausalLM
 
-    from qserve.checkpoint.in_transformers import _fill_unquantized_experts
+    from qserve.device.in_transformers import _fill_unquantized_experts
 
     model = AutoModelForCausalLM.from_pretrained(tiny_models[arch], dtype=torch.float32)
     fused = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
@@ -281,8 +311,8 @@ def test_a_weight_transformers_would_leave_at_random_init_is_an_error(tiny_model
     the same checkpoint short of one expert's weight is refused by name, not run half random."""
     from safetensors.torch import load_file, save_file
 
-    from qserve.checkpoint.in_transformers import load_checked
     from qserve.checkpoint.manifest import read_manifest
+    from qserve.device.in_transformers import load_checked
     from qserve.errors import QserveError
 
     out = tmp_path / "out"
@@ -376,3 +406,23 @@ def test_vllm_cpu_refuses_quantized_experts_with_the_message_the_support_table_n
         claim = support.CPU_MOE[MOE_REFUSED[cell.column]]
         assert (cell.status, cell.stage, claim.runs) == ("no kernel", "load", False)
         assert claim.failure in cell.reason, cell.reason
+
+
+@pytest.mark.slow
+def test_transformers_builds_olmo2_after_vllm_ran_it_in_this_process(tiny_models) -> None:
+    """vLLM 0.32 runs OLMo 2 through its Transformers backend, which decorates transformers' own class in
+    place; parity and the matrix then build that class in the same process (measured failing before:
+    "AssertionError: Current vLLM config is not set")."""
+    import torch
+
+    from qserve.checkpoint.manifest import VllmArgs
+    from qserve.device.detect import detect_device
+    from qserve.device.engine import greedy_completions, open_engine
+    from qserve.device.in_transformers import teacher_forced
+
+    path = tiny_models["olmo2"]
+    with open_engine(path, VllmArgs(quantization=None, dtype="bfloat16"), detect_device(), "olmo2") as lm:
+        assert lm.model.llm_engine.model_config.architectures == ["Olmo2ForCausalLM"]
+        (_, tokens), = greedy_completions(lm, ["The capital of France is"], max_tokens=4)
+    (logprobs,) = teacher_forced(path, [([1, 504, 3575, 282, 4649, 314], tokens)])
+    assert logprobs.shape == (4, 49152) and bool(torch.isfinite(logprobs).all())

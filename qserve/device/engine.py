@@ -107,6 +107,12 @@ def _shutdown(lm: Any) -> None:
         core.shutdown()
     del lm
     gc.collect()
+    # The engine ran in this process: its distributed groups outlive it unless destroyed, and the next
+    # engine then reuses them. Measured (`qserve matrix`): a mixture of experts after a dense model
+    # failed with "expert parallel group is not initialized".
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    cleanup_dist_env_and_memory()
 
 
 def greedy_completions(lm: Any, prompts: list[str], max_tokens: int = 32) -> list[tuple[str, list[int]]]:

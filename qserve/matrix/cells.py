@@ -68,6 +68,7 @@ class Cell:
     reason: str = ""
     seconds: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
+    commit: str = ""  # qserve's code that ran the cell (a resumed matrix may mix runs)
 
     def record(self) -> dict[str, Any]:
         return asdict(self)
@@ -82,19 +83,23 @@ def agreement(first: Distributions, second: Distributions) -> Agreement:
         kls.append((a.exp() * (a - b)).sum(-1))
         differ += int((a.argmax(-1) != b.argmax(-1)).sum())
     per_position = torch.cat(kls)
+    if per_position.numel() == 0:
+        return Agreement(0.0, 0.0, 0)
     return Agreement(float(per_position.mean()), differ / per_position.numel(), int(per_position.numel()))
 
 
-def limits(engines: Agreement, quantization: Agreement, positions: int) -> tuple[float, float]:
+def limits(engines: Agreement, quantization: Agreement, positions: int, kv: Agreement | None = None) -> tuple[float, float]:
     """The derived tolerance: (mean KL, top-1 disagreement) vLLM may differ from transformers by on the
-    quantized model, over `positions` positions."""
-    noise = top1_noise(quantization.disagreement, positions)
-    return engines.mean_kl + quantization.mean_kl, engines.disagreement + quantization.disagreement + noise
+    quantized model, over `positions` positions. `kv`: what an FP8 KV cache changes in vLLM, which
+    transformers does not emulate (its attention reads full-precision keys and values)."""
+    kl = engines.mean_kl + quantization.mean_kl + (kv.mean_kl if kv else 0.0)
+    flipped = quantization.disagreement + (kv.disagreement if kv else 0.0)
+    return kl, engines.disagreement + flipped + top1_noise(flipped, positions)
 
 
-def within(quantized: Agreement, engines: Agreement, quantization: Agreement) -> str | None:
+def within(quantized: Agreement, engines: Agreement, quantization: Agreement, kv: Agreement | None = None) -> str | None:
     """None when the engines agree on the quantized model within the derived tolerance; else why not."""
-    kl_limit, dis_limit = limits(engines, quantization, quantized.positions)
+    kl_limit, dis_limit = limits(engines, quantization, quantized.positions, kv)
     if not math.isfinite(quantized.mean_kl):
         return "vLLM's log-probabilities are not finite"
     problems = []
@@ -103,6 +108,15 @@ def within(quantized: Agreement, engines: Agreement, quantization: Agreement) ->
     if quantized.disagreement > dis_limit:
         problems.append(f"top-1 disagreement {quantized.disagreement:.1%} > {dis_limit:.1%}")
     return "; ".join(problems) or None
+
+
+def common_prefix(first: Distributions, second: Distributions) -> tuple[Distributions, Distributions]:
+    """Both runs cut, per prompt, to the generated positions before their tokens first differ (there
+    both engines saw the same context), so that they can be compared position by position."""
+    cut = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y))) for x, y in zip(first.token_ids, second.token_ids)]
+    def take(d: Distributions) -> Distributions:
+        return Distributions(d.prompt_ids, [t[:n] for t, n in zip(d.token_ids, cut)], [lp[:n] for lp, n in zip(d.logprobs, cut)])
+    return take(first), take(second)
 
 
 def top1_noise(share: float, positions: int) -> float:
@@ -134,7 +148,7 @@ def vllm_distributions(lm: Any, vocab: int, prompts: list[str] = PROMPTS, max_to
 def transformers_distributions(model_path: Path, like: Distributions) -> Distributions:
     """transformers (float32, compressed-tensors decompressing a quantized checkpoint) teacher-forced
     on the same token ids."""
-    from qserve.checkpoint.in_transformers import teacher_forced
+    from qserve.device.in_transformers import teacher_forced
 
     rows = teacher_forced(model_path, list(zip(like.prompt_ids, like.token_ids)))
     return Distributions(like.prompt_ids, like.token_ids, rows)

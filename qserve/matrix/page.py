@@ -3,6 +3,7 @@ then every cell that did not pass with the message that stopped it."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from qserve.matrix.cells import COLUMNS
@@ -14,6 +15,9 @@ def markdown(results: list[dict[str, Any]], header: str, served: bool = True) ->
     archs = list(dict.fromkeys(r["architecture"] for r in results))
     by_key = {(r["architecture"], r["column"]): r for r in results}
     lines = ["# Architectures x schemes, run for real", "", header, "", _legend(served), ""]
+    commits = Counter(r.get("commit") or "unrecorded" for r in results)
+    if len(commits) > 1:  # a resumed run: say which code ran which cells
+        lines[3:3] = ["Cells by the commit that ran them: " + ", ".join(f"{c} {n}" for c, n in commits.most_common()) + ".", ""]
     lines += ["| architecture | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     notes: list[str] = []
     for arch in archs:

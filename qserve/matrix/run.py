@@ -67,7 +67,12 @@ def run_cells(
     for arch, column in pairs:
         root = workdir / arch
         if (arch, column) in done:
-            results.append(done[arch, column])
+            cell = done[arch, column]
+            if serve and cell.status == "pass" and "chat" not in cell.metrics:  # an earlier --no-serve run's
+                serve_cell(cell, root / column)
+                info(line(cell))
+            results.append(cell)
+            (workdir / "matrix.json").write_text(json.dumps([c.record() for c in results], indent=1) + "\n")
             continue
         if arch not in references:
             references[arch] = Reference(build(arch, root / "model", tokenizer), root / "logs")
@@ -91,21 +96,35 @@ def line(cell: Cell) -> str:
 
 
 def run_cell(arch: str, column: str, reference: Reference, root: Path, data_dir: Path | None, serve: bool) -> Cell:
-    cell = Cell(arch, column)
+    from qserve.device.detect import commit
+
+    cell = Cell(arch, column, commit=commit())
     out = root / column
     log = root / "logs" / f"{column}.log"
     try:
         manifest = _quantize(cell, reference.model, out, log, data_dir)
         if manifest is not None:
             _compare(cell, out, manifest, reference, log)
-        if cell.status == "pass" and serve:
-            with Timer(cell, "serve"):
-                cell.metrics["chat"] = cells.chat_once(out, manifest)
     except QserveError as exc:
         cell.status, cell.reason = "fail", str(exc)
     except Exception as exc:  # a library's own failure in this cell: recorded, the matrix goes on
         cell.status, cell.reason = "fail", innermost_message(exc)
+    if cell.status == "pass" and serve:
+        serve_cell(cell, out)
     return cell
+
+
+def serve_cell(cell: Cell, out: Path) -> None:
+    """`qserve serve`'s plan and start-up on the cell's checkpoint, and one chat request."""
+    from qserve.checkpoint.manifest import read_manifest
+
+    try:
+        with Timer(cell, "serve"):
+            cell.metrics["chat"] = cells.chat_once(out, read_manifest(out))
+    except QserveError as exc:
+        cell.status, cell.reason = "fail", str(exc)
+    except Exception as exc:
+        cell.status, cell.reason = "fail", innermost_message(exc)
 
 
 def _quantize(cell: Cell, model: Path, out: Path, log: Path, data_dir: Path | None) -> Any:
@@ -151,13 +170,28 @@ def _compare(cell: Cell, out: Path, manifest: Any, reference: Reference, log: Pa
         pair = cells.agreement(quantized, engine)
         engines = reference.engines(manifest.vllm_args.dtype)
         effect = cells.agreement(unquantized, quantized)
+        kv = _kv_cache_effect(cell, out, manifest, engine, log)
+    limits = cells.limits(engines, effect, pair.positions, kv)
     cell.metrics.update(
         dtype=manifest.vllm_args.dtype, quantized_pair=pair.__dict__, unquantized_pair=engines.__dict__,
-        quantization_effect=effect.__dict__, limits=dict(zip(("mean_kl", "disagreement"), cells.limits(engines, effect, pair.positions))),
+        quantization_effect=effect.__dict__, limits=dict(zip(("mean_kl", "disagreement"), limits)),
     )  # fmt: skip
-    problem = cells.within(pair, engines, effect)
+    if kv is not None:
+        cell.metrics["kv_cache_effect"] = kv.__dict__
+    problem = cells.within(pair, engines, effect, kv)
     if problem:
         cell.status, cell.reason = "fail", f"vLLM and transformers disagree: {problem}"
+
+
+def _kv_cache_effect(cell: Cell, out: Path, manifest: Any, engine: Distributions, log: Path) -> cells.Agreement | None:
+    """For a quantized KV cache: vLLM with it against vLLM with a full-precision cache on the same
+    checkpoint, over the positions before their greedy tokens first differ; None without one."""
+    args = manifest.vllm_args
+    if args.kv_cache_dtype == "auto":
+        return None
+    with library_output(log.with_name(f"{cell.column}-vllm-full-kv.log")):
+        full = cells.engine_distributions(out, args.model_copy(update={"kv_cache_dtype": "auto"}), f"{cell.architecture} {cell.column}, KV auto")
+    return cells.agreement(*cells.common_prefix(engine, full))
 
 
 def _known_refusal(cell: Cell, manifest: Any) -> None:

@@ -20,6 +20,7 @@ from qserve.checkpoint.manifest import MANIFEST_NAME, Manifest, VllmArgs, hash_f
 from qserve.checkpoint.models import ModelRef, resolve_model
 from qserve.checkpoint.records import write_text
 from qserve.checkpoint.schemes import SCHEMES
+from qserve.device.in_transformers import outside_vllm
 from qserve.errors import QserveError, is_out_of_memory
 from qserve.progress import info, step
 from qserve.quantize import architecture
@@ -167,7 +168,8 @@ def _run(
     label += f" in {run.nproc} processes" if run.nproc > 1 else " shard by shard" if run.path == "model_free" else ""
     with step(label) as timing:
         try:
-            name, execution, counts = _execute(ref.path, recipe, texts, partial, trust_remote_code, run, nodes or {})
+            with outside_vllm():  # tune and the matrix quantize in a process that ran vLLM before
+                name, execution, counts = _execute(ref.path, recipe, texts, partial, trust_remote_code, run, nodes or {})
         except Exception as exc:
             if is_out_of_memory(exc):
                 raise QserveError(_out_of_memory(run.path, recipe)) from None
@@ -371,7 +373,9 @@ def check_shapes(model_path: Path, recipe: Recipe, trust_remote_code: bool = Fal
         raise QserveError(f"group_size {group} does not divide the input dim of {layers}; {advice} in the recipe")
 
 
-# vLLM loads these projections as one fused GEMM (Llama-family packed_modules_mapping); with block-
+# vLLM loads these projections as one fused GEMM (packed_modules_mapping in vLLM 0.32's source: Llama
+# and Mistral, Qwen 2/3, Gemma 2/3, Granite; the MoE models fuse q/k/v only, and Phi-3's checkpoint is
+# fused already, so none of its names is listed); with block-
 # quantized weights every part but the last must be a whole number of blocks (fp8_utils.py,
 # validate_fp8_block_shape: "Weight output_partition_size = 576 is not divisible by ... block_n = 128").
 FUSED_NOT_LAST = {"q_proj": "q_proj, k_proj, v_proj", "k_proj": "q_proj, k_proj, v_proj", "gate_proj": "gate_proj, up_proj"}

@@ -13,6 +13,9 @@ before up), and the test holds the two against each other.
 from __future__ import annotations
 
 import re
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,40 @@ FUSED_EXPERTS: dict[str, tuple[tuple[str, ...], ...]] = {
     "down_proj": (("down_proj", "w2"),),
 }
 RENAMED = {".block_sparse_moe.": ".mlp."}  # checkpoint name -> module name (transformers' Mixtral renaming)
+
+
+@contextmanager
+def outside_vllm() -> Iterator[None]:
+    """Where vLLM ran in this process, transformers' own models built and run as if it had not.
+
+    vLLM runs architectures it has no implementation of (OLMo 2 in 0.32) through its Transformers
+    backend, which decorates transformers' own model class in place, for the rest of the process, for
+    its compiler; building that class again then needs a vLLM config with a model (measured in `qserve
+    matrix`, an engine then transformers in one process: "AssertionError: Current vLLM config is not
+    set"). transformers is made to import such a module afresh instead."""
+    if "vllm.compilation.decorators" in sys.modules:
+        _forget_decorated_modules()
+    yield
+
+
+def _forget_decorated_modules() -> None:
+    """Drop from sys.modules every transformers modeling module with a class vLLM decorated (and the
+    names its package cached), so that transformers imports it afresh, undecorated, when next asked."""
+    import inspect
+
+    from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
+
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("transformers.models.") or ".modeling_" not in name:
+            continue
+        classes = [c for _, c in inspect.getmembers(module, inspect.isclass) if c.__module__ == name]
+        if not any(TorchCompileWithNoGuardsWrapper in c.__bases__ for c in classes):
+            continue
+        del sys.modules[name]
+        holders = [sys.modules.get(name.rpartition(".")[0]), sys.modules.get("transformers")]
+        for holder in [h for h in holders if h is not None]:
+            for c in classes:
+                vars(holder).pop(c.__name__, None)
 
 
 def load_checked(model_path: Path, dtype: Any, trust_remote_code: bool = False) -> Any:
@@ -51,12 +88,13 @@ def teacher_forced(model_path: Path, sequences: list[tuple[list[int], list[int]]
     each generated position, the generated tokens fed back in (teacher forcing)."""
     import torch
 
-    model = load_checked(model_path, torch.float32, trust_remote_code)
     out = []
-    for prompt, tokens in sequences:
-        with torch.no_grad():
-            logprobs = model(torch.tensor([prompt + tokens])).logits[0].float().log_softmax(-1)
-        out.append(logprobs[len(prompt) - 1 : len(prompt) - 1 + len(tokens)])
+    with outside_vllm():
+        model = load_checked(model_path, torch.float32, trust_remote_code)
+        for prompt, tokens in sequences:
+            with torch.no_grad():
+                logprobs = model(torch.tensor([prompt + tokens])).logits[0].float().log_softmax(-1)
+            out.append(logprobs[len(prompt) - 1 : len(prompt) - 1 + len(tokens)])
     del model
     return out
 
