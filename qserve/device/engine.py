@@ -91,7 +91,11 @@ def open_engine(
     with step(
         f"starting vLLM for {label} (dtype={args.dtype}, quantization={args.quantization}, kv_cache_dtype={args.kv_cache_dtype})"
     ):
-        lm = cls(**(engine_kwargs(model_path, args, device) | (overrides or {})))
+        try:
+            lm = cls(**(engine_kwargs(model_path, args, device) | (overrides or {})))
+        except BaseException:
+            _destroy_groups()  # an engine that failed to load leaves its groups too (then AWQ's all-reduce ran on them)
+            raise
     try:
         yield lm
     finally:
@@ -107,9 +111,13 @@ def _shutdown(lm: Any) -> None:
         core.shutdown()
     del lm
     gc.collect()
-    # The engine ran in this process: its distributed groups outlive it unless destroyed, and the next
-    # engine then reuses them. Measured (`qserve matrix`): a mixture of experts after a dense model
-    # failed with "expert parallel group is not initialized".
+    _destroy_groups()
+
+
+def _destroy_groups() -> None:
+    """The engine ran in this process: its distributed groups outlive it unless destroyed, and the next
+    engine then reuses them. Measured (`qserve matrix`): a mixture of experts after a dense model failed
+    with "expert parallel group is not initialized"."""
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     cleanup_dist_env_and_memory()

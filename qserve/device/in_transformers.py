@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +28,9 @@ FUSED_EXPERTS: dict[str, tuple[tuple[str, ...], ...]] = {
 RENAMED = {".block_sparse_moe.": ".mlp."}  # checkpoint name -> module name (transformers' Mixtral renaming)
 
 
-@contextmanager
-def outside_vllm() -> Iterator[None]:
-    """Where vLLM ran in this process, transformers' own models built and run as if it had not.
+def undo_vllm_decorations() -> None:
+    """Where vLLM ran in this process, make transformers build its own models as if it had not; call
+    before transformers builds a model.
 
     vLLM runs architectures it has no implementation of (OLMo 2 in 0.32) through its Transformers
     backend, which decorates transformers' own model class in place, for the rest of the process, for
@@ -41,7 +39,6 @@ def outside_vllm() -> Iterator[None]:
     set"). transformers is made to import such a module afresh instead."""
     if "vllm.compilation.decorators" in sys.modules:
         _forget_decorated_modules()
-    yield
 
 
 def _forget_decorated_modules() -> None:
@@ -68,6 +65,7 @@ def load_checked(model_path: Path, dtype: Any, trust_remote_code: bool = False) 
     """AutoModelForCausalLM on `model_path` in eval mode, every weight from the checkpoint."""
     from transformers import AutoModelForCausalLM
 
+    undo_vllm_decorations()
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=dtype, trust_remote_code=trust_remote_code, output_loading_info=True
@@ -80,7 +78,21 @@ def load_checked(model_path: Path, dtype: Any, trust_remote_code: bool = False) 
             f"transformers leaves {len(missing)} weight(s) of {model_path} at random init "
             f"({', '.join(missing[:2])}{', ...' if len(missing) > 2 else ''}); it would not be the checkpoint's model"
         )
+    if str(dtype).removeprefix("torch.") == "float32":
+        _upcast(model)
     return model.eval()
+
+
+def _upcast(model: Any) -> None:
+    """Every 16-bit floating parameter in float32 (lossless). Measured: transformers 5.17 keeps a
+    renamed weight (Mixtral's block_sparse_moe.gate, its router) in the checkpoint's bfloat16 in a model
+    loaded in float32, and the forward then fails ("expected m1 and m2 to have the same dtype")."""
+    import torch
+
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.is_floating_point() and param.dtype != torch.float32:
+                param.data = param.data.float()
 
 
 def teacher_forced(model_path: Path, sequences: list[tuple[list[int], list[int]]], trust_remote_code: bool = False) -> list[Any]:
@@ -88,13 +100,12 @@ def teacher_forced(model_path: Path, sequences: list[tuple[list[int], list[int]]
     each generated position, the generated tokens fed back in (teacher forcing)."""
     import torch
 
+    model = load_checked(model_path, torch.float32, trust_remote_code)
     out = []
-    with outside_vllm():
-        model = load_checked(model_path, torch.float32, trust_remote_code)
-        for prompt, tokens in sequences:
-            with torch.no_grad():
-                logprobs = model(torch.tensor([prompt + tokens])).logits[0].float().log_softmax(-1)
-            out.append(logprobs[len(prompt) - 1 : len(prompt) - 1 + len(tokens)])
+    for prompt, tokens in sequences:
+        with torch.no_grad():
+            logprobs = model(torch.tensor([prompt + tokens])).logits[0].float().log_softmax(-1)
+        out.append(logprobs[len(prompt) - 1 : len(prompt) - 1 + len(tokens)])
     del model
     return out
 

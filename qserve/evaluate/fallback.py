@@ -37,13 +37,12 @@ def open_transformers(model_path: Path, quantization: str | None, label: str, tr
     import torch
     from lm_eval.models.huggingface import HFLM
 
-    from qserve.device.in_transformers import load_checked, outside_vllm
+    from qserve.device.in_transformers import load_checked
 
     kwargs = lm_kwargs(model_path, quantization, trust_remote_code)
     kwargs.pop("backend_kind")
-    with outside_vllm():
-        with step(f"loading {label} in transformers ({kwargs['dtype']}; emulated: vLLM cannot run the checkpoint here)"):
-            # loaded by qserve so that a weight transformers would leave at random init is an error
-            model = load_checked(model_path, getattr(torch, kwargs["dtype"]), trust_remote_code)
-            lm = HFLM(**{**kwargs, "pretrained": model, "tokenizer": str(model_path)})
-        yield lm
+    with step(f"loading {label} in transformers ({kwargs['dtype']}; emulated: vLLM cannot run the checkpoint here)"):
+        # loaded by qserve so that a weight transformers would leave at random init is an error
+        model = load_checked(model_path, getattr(torch, kwargs["dtype"]), trust_remote_code)
+        lm = HFLM(**{**kwargs, "pretrained": model, "tokenizer": str(model_path)})
+    yield lm

@@ -20,7 +20,7 @@ from qserve.checkpoint.manifest import MANIFEST_NAME, Manifest, VllmArgs, hash_f
 from qserve.checkpoint.models import ModelRef, resolve_model
 from qserve.checkpoint.records import write_text
 from qserve.checkpoint.schemes import SCHEMES
-from qserve.device.in_transformers import outside_vllm
+from qserve.device.in_transformers import undo_vllm_decorations
 from qserve.errors import QserveError, is_out_of_memory
 from qserve.progress import info, step
 from qserve.quantize import architecture
@@ -76,6 +76,7 @@ def quantize(
         raise QserveError(f"output {out} already exists; pass --force to replace it or --output to choose another")
     ref = resolve_model(model or recipe.model)
     check_output(out, ref.path)
+    undo_vllm_decorations()  # tune and the matrix quantize in a process where vLLM ran before
     recipe = architecture.with_routers_ignored(ref.path, recipe, trust_remote_code)
     check_shapes(ref.path, recipe, trust_remote_code)
     check_moe(ref.path, recipe, trust_remote_code)
@@ -168,8 +169,7 @@ def _run(
     label += f" in {run.nproc} processes" if run.nproc > 1 else " shard by shard" if run.path == "model_free" else ""
     with step(label) as timing:
         try:
-            with outside_vllm():  # tune and the matrix quantize in a process that ran vLLM before
-                name, execution, counts = _execute(ref.path, recipe, texts, partial, trust_remote_code, run, nodes or {})
+            name, execution, counts = _execute(ref.path, recipe, texts, partial, trust_remote_code, run, nodes or {})
         except Exception as exc:
             if is_out_of_memory(exc):
                 raise QserveError(_out_of_memory(run.path, recipe)) from None
