@@ -19,6 +19,7 @@ def matrix(
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the Markdown page here (and the results as JSON beside it).")] = None,
     serve: Annotated[bool, typer.Option("--serve/--no-serve", help="Also serve each passing cell and ask one chat question.")] = True,
     resume: Annotated[bool, typer.Option("--resume", help="Keep the cells an earlier run wrote to WORKDIR/matrix.json (and serve those it did not, unless --no-serve).")] = False,
+    from_: Annotated[Path | None, typer.Option("--from", help="Rewrite the page from a results JSON an earlier run wrote (no run).")] = None,
     data_dir: DataDirOpt = None,
     list_: Annotated[bool, typer.Option("--list", help="List the architectures and columns, and exit.")] = False,
 ) -> None:
@@ -32,6 +33,7 @@ def matrix(
       qserve matrix --list
       qserve matrix --archs qwen3,qwen3_moe --columns w8a8-int8,w4a16-awq
       qserve matrix --out docs/architectures.md          # the whole matrix (make matrix)
+      qserve matrix --from docs/architectures.json --out docs/architectures.md   # the page again, no run
     """
     from qserve.matrix.cells import COLUMNS
     from qserve.matrix.tiny import ARCHITECTURES
@@ -44,10 +46,13 @@ def matrix(
     from qserve.matrix.page import markdown
     from qserve.matrix.run import default_workdir, provenance, run_matrix
 
-    chosen = split(archs) if archs else list(ARCHITECTURES)
-    results = run_matrix(chosen, split(columns) if columns else list(COLUMNS), workdir or default_workdir(), data_dir, serve, resume)
-    record = {"provenance": provenance(archs, columns, serve), "served": serve, "cells": [c.record() for c in results]}
-    page = markdown(record["cells"], record["provenance"], serve)
+    if from_ is not None:
+        record = json.loads(from_.read_text())
+    else:
+        chosen = split(archs) if archs else list(ARCHITECTURES)
+        results = run_matrix(chosen, split(columns) if columns else list(COLUMNS), workdir or default_workdir(), data_dir, serve, resume)
+        record = {"provenance": provenance(archs, columns, serve), "served": serve, "cells": [c.record() for c in results]}
+    page = markdown(record["cells"], record["provenance"], record["served"])
     if out is not None:
         from qserve.checkpoint.records import write_text
 

