@@ -4,6 +4,11 @@ A child runs in its own session, so its process group holds the vLLM API server 
 engine-core and worker processes it spawns. SIGINT or SIGTERM to qserve sends SIGTERM to that
 group; whatever is still alive `GRACE_SECONDS` later is killed with SIGKILL and reaped, and
 qserve exits 130 (SIGINT) or 143 (SIGTERM). A child that ignores SIGTERM cannot hold qserve.
+
+A qserve that cannot run its handlers (SIGKILL, a crash, the OOM killer) still takes the group
+with it: each group has a guard, a small process in a session of its own that holds one end of a
+pipe whose other end only qserve holds. When qserve ends, however it ends, the kernel closes its
+end; the guard reads end-of-file and stops the group exactly as a signal would.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -53,6 +59,7 @@ class ProcessGroup:
         self.grace = grace
         self.signum: int | None = None
         self.proc = subprocess.Popen(command, env=env, stdout=stdout, stderr=stderr, start_new_session=True)
+        self._guard, self._lifeline = _start_guard(self.proc.pid, grace)
         self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def _handle(self, signum: int, frame: Any) -> None:
@@ -103,10 +110,42 @@ class ProcessGroup:
         if self.running():
             self.stop()
         self.proc.wait()
+        os.close(self._lifeline)  # the guard finds the group gone and exits
+        self._guard.wait()
         for sig, handler in self._old.items():
             # After a signalled stop, ignore repeats: SIG_IGN survives interpreter shutdown,
             # which resets Python-level handlers to the default (a late Ctrl-C would kill us).
             signal.signal(sig, signal.SIG_IGN if self.signum is not None else handler)
+
+
+def _start_guard(pgid: int, grace: float) -> tuple[subprocess.Popen, int]:
+    """The guard of group `pgid` and qserve's end of its lifeline (a pipe no other process holds:
+    os.pipe's descriptors are not inherited by children started later)."""
+    read_end, lifeline = os.pipe()
+    code = f"from qserve.process import guard; guard({pgid}, {grace!r})"
+    guard_proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=read_end, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    os.close(read_end)
+    return guard_proc, lifeline
+
+
+def guard(pgid: int, grace: float) -> None:
+    """Wait for end-of-file on stdin (qserve has ended or closed the group), then stop group `pgid`:
+    SIGTERM, the grace period, SIGKILL for what is left."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # its session has no terminal; be sure anyway
+    while os.read(0, 4096):
+        pass
+    deadline = time.monotonic() + grace
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if not group_members(pgid):
+            return
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return  # gone between the look and the signal
+        while sig == signal.SIGTERM and group_members(pgid) and time.monotonic() < deadline:
+            time.sleep(_POLL)
 
 
 class bounded_in_process_stop:

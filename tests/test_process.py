@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -121,6 +122,21 @@ def test_sigterm_after_ready_kills_the_group_and_exits_143(tmp_path: Path) -> No
     assert "stand-in server starting" in log.read_text()  # the child's output went to the log file
 
 
+def test_sigkill_of_qserve_after_ready_still_ends_the_group(tmp_path: Path) -> None:
+    """No handler runs on SIGKILL: the guard sees qserve's end of the lifeline close and stops the group
+    (leader and grandchild ignore SIGTERM, so this takes the grace period, then SIGKILL)."""
+    proc, pids, _ = _start(tmp_path, "ok")
+    assert proc.stdout.readline() == "ready\n"
+    leader, grandchild = map(int, pids.read_text().split())
+    proc.kill()
+    assert proc.wait(timeout=10) == -signal.SIGKILL
+    deadline = time.monotonic() + GRACE_SECONDS + 10
+    while group_members(leader) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert group_members(leader) == [] and _dead(grandchild)
+    assert time.monotonic() > deadline - 10 - 1  # not before the grace: SIGTERM was tried first
+
+
 def test_ready_timeout_kills_the_group_with_one_error_line(tmp_path: Path) -> None:
     proc, pids, log = _start(tmp_path, "never", ready_timeout=3)
     proc.wait(timeout=GRACE_SECONDS + 60)
@@ -155,12 +171,44 @@ def test_real_server_stopped_during_start_up_exits_within_the_bound(checkpoints)
         cwd=REPO,
     )
     time.sleep(15)
-    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-    assert len(children) == 1 and proc.poll() is None  # vLLM's API server, still starting
+    server, guard = _children(proc.pid)
+    assert proc.poll() is None  # vLLM's API server, still starting
     exit_code, seconds, stderr = _stop(proc, signal.SIGTERM)
     assert (exit_code, stderr.strip().splitlines()[-1]) == (143, "stopped by SIGTERM")
     assert seconds < GRACE_SECONDS + 10
-    assert group_members(int(children[0])) == []
+    assert group_members(server) == [] and _dead(guard)
+
+
+def _children(pid: int) -> tuple[int, int]:
+    """qserve's two children: vLLM's API server (the group's leader) and the group's guard."""
+    children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    cmdlines = {c: Path(f"/proc/{c}/cmdline").read_bytes() for c in children}
+    server = [c for c, line in cmdlines.items() if b"qserve.device.vllm_cli" in line]
+    guard = [c for c, line in cmdlines.items() if b"from qserve.process import guard" in line]
+    assert len(children) == 2 and len(server) == len(guard) == 1, cmdlines
+    return server[0], guard[0]
+
+
+@pytest.mark.slow
+def test_real_server_killed_with_sigkill_after_ready_leaves_nothing(checkpoints) -> None:
+    """`kill -9` of a ready `qserve serve`: within seconds no vLLM process remains and the port is free."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [*QSERVE, "serve", checkpoints["w4a16-gptq"], "--skip-gate", "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+    )  # fmt: skip
+    assert proc.stdout.readline().startswith("serving "), proc.stderr.read() if proc.poll() is not None else ""
+    server, _ = _children(proc.pid)
+    members = group_members(server)
+    assert len(members) >= 2  # the API server and its engine core (at least)
+    proc.kill()
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + GRACE_SECONDS + 10
+    while group_members(server) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert group_members(server) == [] and all(_dead(m) for m in members)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # free again
 
 
 def test_probe_runs_in_its_own_group_and_reports_a_crash(tmp_path: Path) -> None:

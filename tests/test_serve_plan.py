@@ -89,13 +89,24 @@ def test_agreeing_matched_flag_is_accepted_once(tmp_path: Path) -> None:
         (["--dtype", "float16"], "--dtype float16 contradicts the checkpoint, which needs --dtype bfloat16"),
         (["--dty", "float16"], "--dtype float16 contradicts the checkpoint, which needs --dtype bfloat16"),
         (["--dtype", "bfloat16", "--dtype", "auto"], "--dtype auto contradicts the checkpoint"),  # the last one wins
-        # Settings that change which weights, tokenizer or numerics are served.
-        (["--load-format", "dummy"], "--load-format would change what is served ('auto' -> 'dummy')"),
-        (["--no-enforce-eager"], "--enforce-eager would change what is served (True -> False)"),
-        (["--tokenizer", "/elsewhere"], "--tokenizer would change what is served (None -> '/elsewhere')"),
-        (["--trust-remote-code"], "--trust-remote-code would change what is served (False -> True)"),
-        (["--hf-overrides", '{"rope_theta": 1}'], "--hf-overrides would change what is served ({} -> {'rope_theta': 1})"),
-        (["--revision=main"], "--revision would change what is served (None -> 'main')"),
+        # Off the allowlist: weights, tokenizer, numerics, adapters, code in the server, unguarded doors.
+        (["--load-format", "dummy"], "--load-format cannot be passed to vLLM: qserve passes only options that leave"),
+        (["--no-enforce-eager"], "--enforce-eager cannot be passed to vLLM: the engine would run differently"),
+        (["--tokenizer", "/elsewhere"], "--tokenizer cannot be passed to vLLM: qserve passes only"),
+        (["--trust-remote-code"], "--trust-remote-code cannot be passed to vLLM: qserve passes only"),
+        (["--hf-overrides", '{"rope_theta": 1}'], "--hf-overrides cannot be passed to vLLM: qserve passes only"),
+        (["--revision=main"], "--revision cannot be passed to vLLM: qserve passes only"),
+        (["--middleware", "m.M"], "--middleware cannot be passed to vLLM: a middleware runs code of its own"),
+        (["--tool-parser-plugin", "p.py"], "--tool-parser-plugin cannot be passed to vLLM: a plugin runs code"),
+        (["--reasoning-parser-plugin", "p.py"], "--reasoning-parser-plugin cannot be passed to vLLM: a plugin runs code"),
+        (["--io-processor-plugin", "p"], "--io-processor-plugin cannot be passed to vLLM: a plugin runs code"),
+        (["--grpc"], "--grpc cannot be passed to vLLM: vLLM's gRPC server does not check the API key"),
+        (["--disable-sliding-window"], "--disable-sliding-window cannot be passed to vLLM: qserve passes only"),
+        (["--logprobs-mode", "raw_logits"], "--logprobs-mode cannot be passed to vLLM: qserve passes only"),
+        (["--enable-lora"], "--enable-lora cannot be passed to vLLM: LoRA adapters change what the model computes"),
+        (["--lora-modules", "a=/x"], "--lora-modules cannot be passed to vLLM: LoRA adapters change what the model"),
+        (["--chat-template", "t.jinja"], "--chat-template cannot be passed to vLLM: qserve passes only"),
+        (["--trust-request-chat-template"], "--trust-request-chat-template cannot be passed to vLLM"),
         (["--port", "1"], "pass --port as qserve's own --port option"),
         (["--api_key", "k"], "pass --api-key as qserve's own --api-key (or QSERVE_API_KEY) option"),
         (["tensor-parallel-size"], "vLLM does not accept the options after `--`: unrecognized arguments: tensor-parallel-size"),
@@ -114,6 +125,62 @@ def test_capacity_and_placement_flags_pass_through(tmp_path: Path) -> None:
     p = plan(tmp_path / "ck", manifest(), CPU, "127.0.0.1", 8000, extra_args=extra)
     assert p.command[-len(extra) :] == extra  # as the user wrote them, after qserve's own
     assert "--max-model-len" not in p.command  # qserve's default gave way to the user's
+
+
+# One real use of each allowed family (what production users of vLLM pass), as vLLM parses it.
+ALLOWED_USES = {
+    "served model name": ["--served-model-name", "chat", "--response-role", "assistant"],
+    "context length and scheduling limits": ["--max-model-len", "1024", "--max-num-seqs", "4", "--max-num-batched-tokens", "2048"],
+    "memory and capacity": ["--kv-cache-memory-bytes", "100000000"],
+    "prefix caching": ["--enable-prefix-caching"],
+    "chunked prefill": ["--enable-chunked-prefill"],
+    "tool calling (vLLM's built-in parsers)": ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+    "reasoning (vLLM's built-in parsers)": ["--reasoning-parser", "deepseek_r1"],
+    "structured output": ["--structured-outputs-config", '{"backend": "xgrammar"}'],
+    "parallelism and placement": ["--tensor-parallel-size", "2"],
+    "CORS": ["--allowed-origins", '["https://app.example"]', "--allow-credentials"],
+    "TLS": ["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"],
+    "logging and metrics": ["--disable-log-stats", "--enable-log-requests", "--uvicorn-log-level", "warning"],
+}
+
+
+@pytest.mark.parametrize("family", sorted(ALLOWED_USES))
+def test_each_allowed_family_passes_through(tmp_path: Path, family: str) -> None:
+    from qserve.device.passthrough import PASS_THROUGH
+
+    assert set(ALLOWED_USES) == set(PASS_THROUGH)  # every family has its use here
+    p = plan(tmp_path / "ck", manifest(), CPU, "127.0.0.1", 8000, extra_args=ALLOWED_USES[family])
+    assert p.command[-len(ALLOWED_USES[family]) :] == ALLOWED_USES[family]
+
+
+def test_qserve_run_refuses_before_work_what_serve_would_refuse(tmp_path: Path) -> None:
+    from qserve.device.passthrough import ALLOWED
+    from qserve.serve.plan import PLANNED_BY_QSERVE, _options, check_before_work
+
+    # Every setting qserve plans itself is in the set the early check leaves to plan time.
+    planned = {flag for flag, _ in _options(tmp_path, manifest(trust_remote_code=True), CPU, "h", 1, "k")[0]}
+    assert {f.removeprefix("--").replace("-", "_") for f in planned} <= PLANNED_BY_QSERVE
+    check_before_work([t for family in ALLOWED_USES.values() for t in family])  # all allowed at once
+    check_before_work(["--dtype", "bfloat16", "--enforce-eager"])  # decided when the server is planned
+    for bad, message in (["--grpc"], "--grpc cannot be passed"), (["--port", "1"], "pass --port as qserve's own"):
+        with pytest.raises(QserveError) as e:
+            check_before_work(bad)
+        assert str(e.value).startswith(message)
+    assert "grpc" not in ALLOWED and "enable_lora" not in ALLOWED
+
+
+def test_only_allowed_environment_reaches_vllm() -> None:
+    from qserve.device.passthrough import served_environment
+
+    env = served_environment(
+        {"PATH": "/bin", "LC_ALL": "C", "OMP_NUM_THREADS": "2", "VLLM_LOGGING_LEVEL": "DEBUG",
+         "VLLM_API_KEY": "inherited", "LD_PRELOAD": "/tmp/evil.so", "PYTHONSTARTUP": "x.py", "TORCH_LOGS": "+all"}
+    )  # fmt: skip
+    assert env == {"PATH": "/bin", "LC_ALL": "C", "OMP_NUM_THREADS": "2", "VLLM_LOGGING_LEVEL": "DEBUG"}
+    for name in ("VLLM_SERVER_DEV_MODE", "VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_ATTENTION_BACKEND"):
+        with pytest.raises(QserveError) as e:
+            served_environment({"PATH": "/bin", name: "1"})
+        assert str(e.value).startswith(f"the environment sets {name}, which qserve does not pass to a served vLLM")
 
 
 def test_api_key_stays_out_of_the_command_line(tmp_path: Path) -> None:

@@ -69,9 +69,14 @@ ApiKeyOpt = Annotated[
     typer.Option(
         "--api-key",
         envvar="QSERVE_API_KEY",
-        help="Require this bearer token on every route but /health, /ping, /version and /metrics. "
-        "An inherited VLLM_API_KEY is used (and reported) when neither this nor QSERVE_API_KEY is set.",
+        help="Require this bearer token on every route but /health, /ping, /version and /metrics. Prefer "
+        "QSERVE_API_KEY or --api-key-file: on the command line the key is visible in `ps` (warned). "
+        "An inherited VLLM_API_KEY is used (and reported) when none of these is set.",
     ),
+]
+ApiKeyFileOpt = Annotated[
+    Path | None,
+    typer.Option("--api-key-file", exists=True, dir_okay=False, help="Read the API key from this file (first line)."),
 ]
 ReadyTimeoutOpt = Annotated[
     float,
@@ -124,14 +129,29 @@ def verdict_exit(summary: dict) -> int:
     return {"pass": 0, "fail": EXIT_GATE_FAILED}.get(summary["verdict"], EXIT_GATE_INCONCLUSIVE)
 
 
-def api_key(value: str | None) -> dict[str, str | None]:
-    """The API key and where it came from: --api-key, QSERVE_API_KEY, or an inherited VLLM_API_KEY (reported)."""
+def api_key(value: str | None, key_file: Path | None = None) -> dict[str, str | None]:
+    """The API key and where it came from: --api-key-file, QSERVE_API_KEY, --api-key (warned: `ps` shows
+    it), or an inherited VLLM_API_KEY (reported)."""
+    if key_file is not None:
+        if value is not None:
+            raise QserveError("pass the API key once: --api-key-file or --api-key/QSERVE_API_KEY, not both")
+        lines = key_file.read_text().splitlines()
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise QserveError(f"--api-key-file {key_file} is empty")
+        return {"api_key": key, "key_source": f"--api-key-file {key_file}"}
     if value is not None:
         flag = any(a == "--api-key" or a.startswith("--api-key=") for a in sys.argv)
+        if flag:
+            typer.echo(
+                "warning: --api-key on the command line is visible to every user of this machine (ps, /proc); "
+                "use QSERVE_API_KEY or --api-key-file",
+                err=True,
+            )
         return {"api_key": value, "key_source": "--api-key" if flag else "QSERVE_API_KEY"}
     inherited = os.environ.get("VLLM_API_KEY")
     if inherited:
-        typer.echo("note: using the API key inherited in VLLM_API_KEY (pass --api-key to choose one)", err=True)
+        typer.echo("note: using the API key inherited in VLLM_API_KEY (pass --api-key-file to choose one)", err=True)
         return {"api_key": inherited, "key_source": "VLLM_API_KEY"}
     return {"api_key": None, "key_source": "--api-key"}
 

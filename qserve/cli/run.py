@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from qserve.cli._common import (
+    ApiKeyFileOpt,
     ApiKeyOpt,
     DataDirOpt,
     GateOpt,
@@ -45,6 +46,7 @@ def run(
     host: HostOpt = "127.0.0.1",
     port: PortOpt = 8000,
     key: ApiKeyOpt = None,
+    key_file: ApiKeyFileOpt = None,
     ready_timeout: ReadyTimeoutOpt = 900.0,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -64,10 +66,13 @@ def run(
     """
     from qserve.evaluate.gates import parse_cli_gates
     from qserve.evaluate.reports import format_table
+    from qserve.serve.plan import check_before_work
     from qserve.serve.server import serve
     from qserve.workflow import checkpoint_for, gate_for
 
     gates = parse_cli_gates(gate or [])
+    check_before_work(list(ctx.args))  # the serve step's options and environment, before any work
+    key_args = api_key(key, key_file)
     ckpt = checkpoint_for(
         recipe, model=model, output=output, data_dir=data_dir, trust_remote_code=trust_remote_code, verbose=verbose
     )
@@ -78,5 +83,5 @@ def run(
         raise typer.Exit(verdict_exit(summary))
     vllm_logs_to_stderr()
     serve(
-        ckpt, host=host, port=port, extra_args=list(ctx.args), **api_key(key), ready_timeout=ready_timeout, verbose=verbose
+        ckpt, host=host, port=port, extra_args=list(ctx.args), **key_args, ready_timeout=ready_timeout, verbose=verbose
     )  # fmt: skip

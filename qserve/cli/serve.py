@@ -10,6 +10,7 @@ import typer
 
 from qserve.cli._common import (
     AcceptGateDifferenceOpt,
+    ApiKeyFileOpt,
     ApiKeyOpt,
     DataDirOpt,
     HostOpt,
@@ -24,6 +25,7 @@ from qserve.cli._common import (
     user_errors,
     vllm_logs_to_stderr,
 )  # fmt: skip
+from qserve.device.passthrough import pass_through_help
 from qserve.errors import QserveError
 
 
@@ -37,6 +39,7 @@ def serve(
         bool, typer.Option("--skip-gate", help="Serve even without a passing gate (not for production).")
     ] = False,
     key: ApiKeyOpt = None,
+    key_file: ApiKeyFileOpt = None,
     ready_timeout: ReadyTimeoutOpt = 900.0,
     verify_key: VerifyKeyOpt = None,
     policy: PolicyOpt = None,
@@ -45,8 +48,9 @@ def serve(
 ) -> None:
     """Start vLLM's OpenAI-compatible server with the checkpoint's quantization, kv_cache_dtype and dtype.
 
-    Extra vLLM options go after `--`; they may not contradict the checkpoint's --quantization,
-    --kv-cache-dtype or --dtype. The endpoint is printed only once the server has answered one short
+    Extra vLLM options go after `--`: only options that leave what the model computes, and who may
+    reach it, unchanged (listed below); --quantization, --kv-cache-dtype and --dtype may only repeat
+    the checkpoint's. The endpoint is printed only once the server has answered one short
     generation request. The gate record must meet the checkpoint's policy: the recipe's gates, passed
     on enough items (see --policy), or a policy file. vLLM's output goes to CKPT/logs/serve.log. Ctrl-C or SIGTERM stops the
     server's whole process group: SIGTERM first, SIGKILL for anything still alive 15 s later; exit
@@ -57,15 +61,21 @@ def serve(
       qserve serve out-w8a8-int8
       QSERVE_API_KEY=$(openssl rand -hex 24) qserve serve out-w8a8-int8 --host 0.0.0.0
       qserve serve out-w8a8-int8 -- --max-model-len 4096 --max-num-seqs 8
+      qserve serve out-w8a8-int8 -- --enable-auto-tool-choice --tool-call-parser hermes
+
+    {PASS_THROUGH}
     """
     from qserve.serve.server import serve as run
 
     vllm_logs_to_stderr()  # stdout: the endpoint and curl lines only
     run(
-        checkpoint, host=host, port=port, skip_gate=skip_gate, extra_args=list(ctx.args), **api_key(key),
+        checkpoint, host=host, port=port, skip_gate=skip_gate, extra_args=list(ctx.args), **api_key(key, key_file),
         ready_timeout=ready_timeout, verbose=verbose, verify_key=verify_key, policy=policy,
         accept_gate_difference=accept_gate_difference,
     )  # fmt: skip
+
+
+serve.__doc__ = (serve.__doc__ or "").replace("{PASS_THROUGH}", pass_through_help())
 
 
 @user_errors

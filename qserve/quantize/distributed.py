@@ -19,11 +19,11 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 from qserve.errors import QserveError
+from qserve.process import ProcessGroup
 from qserve.progress import info
 from qserve.quantize.experts import check_every_expert_calibrated, sum_records
 from qserve.quantize.recipe import Recipe
@@ -75,9 +75,14 @@ def launch(
     _tell_other_nodes(job, nproc, **nodes)
     env = os.environ | {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
     try:
-        proc = subprocess.run(cmd, env=env, check=False)
-        if proc.returncode != 0:
-            raise QserveError(f"torchrun exited with {proc.returncode}; the workers' errors are in the log")
+        # A process group of its own with a guard: the workers end with qserve, however it ends.
+        workers = ProcessGroup(cmd, env=env, stdout=None, stderr=None)
+        try:
+            code = workers.wait()
+        finally:
+            workers.close()
+        if code != 0:
+            raise QserveError(f"torchrun exited with {code}; the workers' errors are in the log")
         peaks = [json.loads(p.read_text()) for p in sorted(out_dir.parent.glob(f"{out_dir.name}.rank-*.json"))]
     finally:
         job.unlink(missing_ok=True)

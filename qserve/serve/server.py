@@ -225,6 +225,8 @@ def _loopback(host: str) -> bool:
 def _curl(p: ServePlan, key_source: str | None) -> str:
     """A request that works against this server; the key is named by where it came from, never printed."""
     variable = {"QSERVE_API_KEY": "$QSERVE_API_KEY", "VLLM_API_KEY": "$VLLM_API_KEY"}.get(key_source or "", "<your --api-key>")
+    if key_source and key_source.startswith("--api-key-file "):
+        variable = f"$(head -n1 {key_source.removeprefix('--api-key-file ')})"
     auth = f' -H "Authorization: Bearer {variable}"' if key_source else ""
     body = f'{{"model": "{p.model_name}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 32}}'
     return f"curl {p.url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
