@@ -22,6 +22,7 @@ from typing import BinaryIO
 
 from qserve import progress
 from qserve.errors import QserveError, Stopped
+from qserve.paths import open_log
 
 # "(12/30): Calibrating:  40%|████      | 13/32 [..." or "Processed prompts:  45%|...| 9/20 [..."
 TQDM = re.compile(r"(?P<desc>[^\r\n|]*?):\s+\d+%\|[^|\r\n]*\|\s*(?P<n>\d+)/(?P<total>\d+)")
@@ -37,7 +38,6 @@ def library_output(log_path: Path, verbose: bool = False) -> Iterator[Path]:
     nothing. An exception that is not the user's (a library's own error) is logged with its
     traceback and becomes one QserveError line naming the log; any failure prints the log's path.
     """
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     # vLLM logs to stdout by default, through a handler bound at import: after this block stdout is
     # the result's again, so vLLM (and children, who inherit it) must log to stderr.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
@@ -45,14 +45,14 @@ def library_output(log_path: Path, verbose: bool = False) -> Iterator[Path]:
     sys.stderr.flush()
     saved_out, saved_err = os.dup(1), os.dup(2)
     terminal = os.fdopen(os.dup(saved_err), "w", buffering=1)
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+    fd = open_log(log_path)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
     done = threading.Event()
     # Opened here, not in the thread: a run that fails at once removes its empty log (_point_at)
     # before a thread might have opened it (seen: a FileNotFoundError traceback under the error line).
-    reader = log_path.open("rb")
+    reader = os.fdopen(os.open(log_path, os.O_RDONLY | os.O_NOFOLLOW), "rb")
     follower = threading.Thread(target=_follow, args=(reader, done, verbose), daemon=True)
     follower.start()
     previous = progress.use_terminal(terminal)

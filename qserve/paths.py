@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import stat
 from pathlib import Path
 
 from qserve.errors import QserveError
@@ -60,3 +62,24 @@ def log_file(ckpt: Path, name: str) -> Path:
     if os.access(logs if logs.is_dir() else ckpt.resolve(), os.W_OK):
         return logs / f"{name}.log"
     return cache_dir() / "logs" / ckpt.resolve().name / f"{name}.log"
+
+
+def open_log(path: Path) -> int:
+    """A descriptor for this run's log at `path`: write-only, emptied, mode 0600, never through a
+    symbolic or hard link (a link planted at logs/ would have qserve truncate the file it names)."""
+    if path.parent.is_symlink():
+        raise QserveError(f"{path.parent} is a symbolic link; qserve writes logs only into a real directory: remove it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise QserveError(f"log file {path} is a symbolic link; qserve does not write through links: remove it") from None
+        raise
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        os.close(fd)
+        raise QserveError(f"log file {path} is not a plain file of its own (a hard link or a device); remove it")
+    os.fchmod(fd, 0o600)
+    os.ftruncate(fd, 0)
+    return fd

@@ -183,6 +183,25 @@ def test_publish_replaces_only_with_force_and_only_when_complete(tmp_path: Path)
     assert (out / "weights").read_text() == "a"
     publish(tmp_path / "b", out, force=True)
     assert (out / "weights").read_text() == "b" and _leftovers(tmp_path) == []
+    assert (tmp_path / "b" / "weights").read_text() == "a"  # exchanged in one step: the caller removes the old
+
+
+def test_a_killed_runs_leftovers_are_removed_and_a_moved_checkpoint_restored(tmp_path: Path) -> None:
+    from qserve.quantize.scratch import clean_stale
+
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    out = tmp_path / "out"
+    dead = [tmp_path / f".out.partial-{ended.pid}-x1", tmp_path / f".out.old-{ended.pid}-x2"]
+    live = tmp_path / f".out.partial-{os.getpid()}-x3"  # a concurrent run's: left alone
+    for d in (*dead, live):
+        (d / ".offload").mkdir(parents=True)
+        (d / "weights").write_text(d.name)
+    other = tmp_path / ".outer.partial-1-x4"  # another output's
+    other.mkdir()
+    clean_stale(out)
+    assert (out / "weights").read_text() == dead[1].name  # the moved-aside checkpoint is back
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([".outer.partial-1-x4", live.name, "out"])
 
 
 def test_output_overlapping_the_source_model_is_refused(tmp_path: Path, embedded_model_dir: Path) -> None:
@@ -228,6 +247,26 @@ def test_force_keeps_the_old_checkpoint_until_the_new_one_is_complete(tmp_path: 
     assert proc.wait(timeout=60) == 130
     assert hash_files(out) == before and _leftovers(tmp_path) == []
     verify_files(out, read_manifest(out))
+
+
+@pytest.mark.slow
+def test_sigkill_leaves_a_partial_directory_that_the_next_run_removes(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [*QSERVE, "quantize", REPO / "recipes" / "w4a16-gptq.yaml", "--output", out], stderr=subprocess.PIPE, text=True
+    )
+    for line in proc.stderr:
+        if line.startswith("> quantizing"):
+            break
+    time.sleep(3)
+    proc.kill()  # no handler runs: the partial directory stays
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    left = _leftovers(tmp_path)
+    assert len(left) == 1 and left[0].startswith(f".out.partial-{proc.pid}-")
+    again = run_qserve("quantize", PLAIN_FP8, "--output", out)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"removed {tmp_path / left[0]}: left by run {proc.pid}, which ended before it finished" in again.stderr
+    assert _leftovers(tmp_path) == []
 
 
 @pytest.mark.slow
@@ -284,3 +323,48 @@ def test_every_file_but_qserves_records_is_hashed_and_checked(tmp_path: Path) ->
         f"checkpoint {ckpt} does not match its manifest (missing sub/extra.pt; changed modeling_custom.py; "
         "unexpected sitecustomize.py): it was modified after quantization"
     )
+
+
+@pytest.mark.parametrize("kind", ["a symbolic link", "a FIFO"])
+@pytest.mark.parametrize("where", ["model.safetensors", "logs/serve.log", "sub"])
+def test_links_fifos_and_sockets_in_a_checkpoint_are_refused_by_name(tmp_path: Path, kind: str, where: str) -> None:
+    ckpt = tmp_path / "ck"
+    (ckpt / "logs").mkdir(parents=True)
+    (ckpt / "config.json").write_text("{}")
+    target, path = tmp_path / "elsewhere", ckpt / where
+    target.mkdir()
+    if kind == "a symbolic link":
+        path.symlink_to(target)
+    else:
+        os.mkfifo(path)
+    with pytest.raises(QserveError) as e:
+        hash_files(ckpt)
+    assert str(e.value) == f"checkpoint {ckpt} holds {kind} at {where}; a checkpoint holds only plain files and directories"
+
+
+def test_logs_are_private_and_never_written_through_a_link(tmp_path: Path) -> None:
+    from qserve.paths import open_log
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    logs = tmp_path / "ck" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "serve.log").symlink_to(victim)
+    with pytest.raises(QserveError) as e:
+        open_log(logs / "serve.log")
+    assert str(e.value) == f"log file {logs / 'serve.log'} is a symbolic link; qserve does not write through links: remove it"
+    (logs / "serve.log").unlink()
+    os.link(victim, logs / "serve.log")
+    with pytest.raises(QserveError) as e:
+        open_log(logs / "serve.log")
+    assert "is not a plain file of its own (a hard link or a device)" in str(e.value)
+    (logs / "serve.log").unlink()
+    (tmp_path / "ln").symlink_to(tmp_path)
+    with pytest.raises(QserveError) as e:
+        open_log(tmp_path / "ln" / "x.log")
+    assert str(e.value).startswith(f"{tmp_path / 'ln'} is a symbolic link")
+    assert victim.read_text() == "precious"
+    (logs / "eval.log").write_text("an earlier run's log, world-readable")
+    os.chmod(logs / "eval.log", 0o644)
+    os.close(open_log(logs / "eval.log"))
+    assert (logs / "eval.log").stat().st_mode & 0o777 == 0o600 and (logs / "eval.log").read_text() == ""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +105,29 @@ def _is_record(rel: Path) -> bool:
 
 
 def hash_files(directory: Path) -> dict[str, str]:
+    """The checkpoint's files and their hashes, after refusing anything but plain files and directories."""
+    refuse_special_files(directory)
     return {str(p.relative_to(directory)): sha256_file(p) for p in hashed_paths(directory)}
+
+
+def refuse_special_files(directory: Path) -> None:
+    """A checkpoint holds plain files and directories only: a symbolic link (what it names can change
+    after the check), a FIFO, a socket or a device is refused by name."""
+    for root, dirs, files in os.walk(directory):
+        for name in dirs + files:
+            path = Path(root) / name
+            mode = path.lstat().st_mode
+            kind = _special_kind(mode)
+            if kind:
+                raise QserveError(
+                    f"checkpoint {directory} holds {kind} at {path.relative_to(directory)}; a checkpoint holds only plain files and directories"
+                )
+
+
+def _special_kind(mode: int) -> str | None:
+    kinds = {stat.S_ISLNK: "a symbolic link", stat.S_ISFIFO: "a FIFO", stat.S_ISSOCK: "a socket"}
+    kinds |= {stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device"}
+    return next((kind for test, kind in kinds.items() if test(mode)), None)
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:

@@ -7,7 +7,6 @@ import os
 import re
 import shutil
 import signal
-import tempfile
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -34,6 +33,7 @@ from qserve.quantize.execution import (
     shard_count,
 )
 from qserve.quantize.recipe import DEFAULT_CALIBRATION, CalibrationSpec, Recipe, load_recipe
+from qserve.quantize.scratch import clean_stale, exchange, scratch_dir
 from qserve.quantize.sparsity import check_structured_sparsity
 
 CANDIDATE_GROUP_SIZES = (32, 64, 128, 256)
@@ -96,8 +96,8 @@ def quantize(
     # Build next to the target in a directory of this run's own, and move it into place only
     # when complete: a crash, a Ctrl-C or a concurrent run never leaves a directory at `out`
     # that looks like a finished checkpoint, and --force keeps the old one until then.
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    clean_stale(out)
+    partial = scratch_dir(out, "partial")
     umask = os.umask(0)
     os.umask(umask)
     partial.chmod(0o777 & ~umask)  # mkdtemp's 0700 would make the checkpoint private
@@ -130,7 +130,9 @@ def check_output(out: Path, source: Path) -> None:
 
 def publish(partial: Path, out: Path, force: bool) -> None:
     """Move a finished checkpoint into place; a checkpoint already there is replaced only with `force`,
-    and only now that the new one is complete (it is kept as .<name>.old-<pid> between two renames)."""
+    and only now that the new one is complete, by an atomic exchange: a crash at any moment leaves
+    the old checkpoint or the new one at `out`, never neither (the caller removes `partial`, which
+    then holds the old one)."""
     if not out.exists():
         try:
             partial.rename(out)
@@ -142,7 +144,12 @@ def publish(partial: Path, out: Path, force: bool) -> None:
         raise QserveError(
             f"output {out} appeared while this run worked (another qserve quantize?); this run's result was discarded"
         )
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    if exchange(partial, out):
+        return
+    # No atomic exchange here: the old checkpoint waits beside `out` between two renames, where the
+    # next run puts it back if this one is killed in between (scratch.clean_stale).
+    old = scratch_dir(out, "old")
+    old.rmdir()
     out.rename(old)
     try:
         partial.rename(out)
@@ -250,7 +257,8 @@ def _offloaded(
     from qserve.quantize.backends.llmcompressor import exported_scheme, run_oneshot
 
     return_freed_weights_to_the_system()
-    folder = Path(tempfile.mkdtemp(prefix=f".{out.name}.offload-", dir=out.parent))
+    folder = out / ".offload"  # inside this run's partial directory: removed with it, whatever happens
+    folder.mkdir()
     try:
         offload = {"max_memory": {"cpu": offload_budget()}, "offload_folder": str(folder)}
         experts = run_oneshot(model_path, recipe, texts, out, trust_remote_code, offload=offload)

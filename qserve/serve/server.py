@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from typing import NoReturn
 from qserve.checkpoint import signing
 from qserve.checkpoint.records import check_gate
 from qserve.errors import QserveError
+from qserve.paths import open_log
 from qserve.process import ProcessGroup
 from qserve.progress import info, step
 from qserve.serve.plan import ServePlan, load_servable, plan
@@ -87,7 +89,6 @@ def running(
     """
     host, _, port = p.url.removeprefix("http://").rpartition(":")
     ensure_port_free(host.strip("[]"), int(port))
-    p.log.parent.mkdir(parents=True, exist_ok=True)
     with _log_sink(p.log, verbose) as sink:
         server = ProcessGroup(command or p.command, env=p.env, stdout=sink.stdout)
         sink.start(server.proc)
@@ -176,7 +177,7 @@ class _log_sink:
     """Where the server's output goes: the log file, or (verbose) a pipe copied to the file and stderr."""
 
     def __init__(self, log: Path, verbose: bool) -> None:
-        self.file = log.open("wb")  # the log of this run
+        self.file = os.fdopen(open_log(log), "wb")  # the log of this run
         self.verbose = verbose
         self.stdout = subprocess.PIPE if verbose else self.file
         self._copier: threading.Thread | None = None
