@@ -368,3 +368,76 @@ def test_logs_are_private_and_never_written_through_a_link(tmp_path: Path) -> No
     os.chmod(logs / "eval.log", 0o644)
     os.close(open_log(logs / "eval.log"))
     assert (logs / "eval.log").stat().st_mode & 0o777 == 0o600 and (logs / "eval.log").read_text() == ""
+
+
+TAGGED_RECIPE = """\
+default_stage:
+  default_modifiers:
+    SmoothQuantModifier:
+      mappings:
+      - !!python/tuple
+        - ['re:.*q_proj', 're:.*k_proj']
+        - re:.*input_layernorm
+    GPTQModifier:
+      actorder: !!python/object/apply:compressed_tensors.quantization.quant_args.ActivationOrdering [
+        static]
+      offload_device: !!python/object/apply:llmcompressor.sentinel.Sentinel [not_provided,
+        /home/someone/.venv/lib/python3.11/site-packages/llmcompressor/sentinel.py]
+      evil: !!python/object/apply:os.system [echo pwned]
+"""
+
+
+def test_the_checkpoints_recipe_is_plain_yaml_and_no_tag_runs_code(tmp_path: Path) -> None:
+    import yaml
+
+    from qserve.quantize.recipe_file import make_plain
+
+    (tmp_path / "recipe.yaml").write_text(TAGGED_RECIPE)
+    make_plain(tmp_path)  # os.system is never called: a one-argument apply reads as its argument
+    assert yaml.safe_load((tmp_path / "recipe.yaml").read_text()) == {
+        "default_stage": {"default_modifiers": {
+            "SmoothQuantModifier": {"mappings": [[["re:.*q_proj", "re:.*k_proj"], "re:.*input_layernorm"]]},
+            "GPTQModifier": {"actorder": "static", "evil": "echo pwned"},  # the sentinel left out: the default applies
+        }}
+    }  # fmt: skip
+
+
+# llm-compressor alone, on the checkpoint's own recipe.yaml and qserve's calibration texts.
+RAW_ONESHOT_FROM_FILE = """
+import json, sys
+from datasets import Dataset
+from llmcompressor import oneshot
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model_path, texts_file, seq_len, recipe, out = sys.argv[1:6]
+texts, seq_len = json.load(open(texts_file)), int(seq_len)
+tokenizer = AutoTokenizer.from_pretrained(model_path)
+model = AutoModelForCausalLM.from_pretrained(model_path, dtype="auto")
+enc = tokenizer(texts, truncation=True, max_length=seq_len, add_special_tokens=False)
+oneshot(model=model, recipe=recipe, dataset=Dataset.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}),
+        num_calibration_samples=len(texts), max_seq_length=seq_len, shuffle_calibration_samples=False, pipeline="sequential")
+model.save_pretrained(out, save_compressed=True)
+"""
+
+
+@pytest.mark.slow
+def test_raw_llm_compressor_rerun_of_the_checkpoints_recipe_gives_the_same_weights(
+    checkpoints, embedded_model_dir: Path, tmp_path: Path
+) -> None:
+    """The demo's W8A8 checkpoint (SmoothQuant mappings and an enum: both tags llm-compressor writes)."""
+    import yaml
+
+    from qserve.paths import data_dir
+    from qserve.quantize.calibration import load_texts
+    from qserve.quantize.pipeline import with_default_calibration
+
+    ckpt = checkpoints["w8a8-int8"]
+    recipe_file = ckpt / "recipe.yaml"
+    assert "!!python" not in recipe_file.read_text() and "SmoothQuantModifier" in yaml.safe_load(recipe_file.read_text())["default_stage"]["default_modifiers"]
+    recipe = with_default_calibration(load_recipe(checkpoints.recipe("w8a8-int8"))[0])
+    texts, record = load_texts(recipe.calibration, data_dir(), embedded_model_dir)
+    assert record["content_sha256"] == read_manifest(ckpt).calibration["content_sha256"]  # the data qserve used
+    (tmp_path / "texts.json").write_text(json.dumps(texts))
+    args = [embedded_model_dir, tmp_path / "texts.json", recipe.seq_len, recipe_file, tmp_path / "raw"]
+    proc = subprocess.run([*QSERVE[:1], "-c", RAW_ONESHOT_FROM_FILE, *map(str, args)], capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sha256_file(tmp_path / "raw" / "model.safetensors") == read_manifest(ckpt).files["model.safetensors"]

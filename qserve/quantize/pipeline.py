@@ -33,6 +33,7 @@ from qserve.quantize.execution import (
     shard_count,
 )
 from qserve.quantize.recipe import DEFAULT_CALIBRATION, CalibrationSpec, Recipe, load_recipe
+from qserve.quantize.recipe_file import make_plain
 from qserve.quantize.scratch import clean_stale, exchange, scratch_dir
 from qserve.quantize.sparsity import check_structured_sparsity
 
@@ -219,6 +220,7 @@ def _checked_export(
 ) -> tuple[dict | None, dict | None]:
     """What the written files must show before they are hashed (2:4 sparsity where asked, no router
     quantized), and the manifest's `sparsity` and `experts` records."""
+    make_plain(partial)  # llm-compressor's recipe.yaml, re-runnable with yaml.safe_load and oneshot
     sparsity = check_structured_sparsity(partial, recipe.sparsity) if recipe.sparsity else None
     experts = _experts_record(model_path, trust_remote_code, counts)
     if experts is not None:
