@@ -318,7 +318,8 @@ class Server:
         return OpenAI(base_url=self.base_url, api_key=api_key, timeout=timeout, max_retries=0)
 
     def close(self) -> None:
-        """SIGTERM, so qserve takes vLLM's whole process group down with it (a SIGKILL would orphan it)."""
+        """SIGTERM: qserve's clean stop, vLLM's whole process group with it (after a SIGKILL the group's
+        guard ends it too, but only after the grace period)."""
         from qserve.process import GRACE_SECONDS
 
         self.timer.cancel()

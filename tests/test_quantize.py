@@ -187,7 +187,7 @@ def test_publish_replaces_only_with_force_and_only_when_complete(tmp_path: Path)
 
 
 def test_a_killed_runs_leftovers_are_removed_and_a_moved_checkpoint_restored(tmp_path: Path) -> None:
-    from qserve.quantize.scratch import clean_stale
+    from qserve.scratch import clean_stale
 
     ended = subprocess.Popen(["true"])
     ended.wait()

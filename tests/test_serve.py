@@ -216,3 +216,30 @@ def test_serve_refuses_a_gate_looser_than_the_recipe(passed_eval, tmp_path: Path
         "{'max_increase': 1.0}, looser than the policy's {'min_recovery': 0.95} (re-run `qserve eval` with the policy's gates "
         "and --limit, or pass --accept-gate-difference)"
     )
+
+
+@pytest.mark.slow
+def test_a_weight_file_replaced_during_start_up_never_reaches_vllm(passed_eval, tmp_path: Path) -> None:
+    """vLLM loads a private copy that qserve checked: garbage swapped into the checkpoint while vLLM
+    starts (after every check passed) is not what it loads, so it starts and answers."""
+    import time
+
+    ckpt = copy_checkpoint(passed_eval[0], tmp_path / "ckpt")
+    srv = Server(ckpt, wait=False)
+    try:
+        deadline = time.monotonic() + 300
+        while not (ckpt / "logs" / "serve.log").exists():  # opened once the copy has passed the checks
+            assert srv.proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        garbage = ckpt / "model.safetensors.new"
+        garbage.write_bytes(b"not a safetensors file")
+        os.replace(garbage, ckpt / "model.safetensors")  # as an attacker would: a rename, atomic
+        srv.wait()
+        assert srv.ready_line.startswith("serving ckpt at "), srv.ready_line
+        answer = srv.client().completions.create(model="ckpt", prompt="2 + 2 =", max_tokens=4, temperature=0)
+        assert answer.choices[0].text.strip()
+    finally:
+        srv.close()
+    # The next serve checks the checkpoint itself again and refuses it.
+    proc = run_qserve("serve", ckpt, "--port", str(free_port()))
+    assert proc.returncode == 1 and "does not match its manifest (changed model.safetensors)" in proc.stderr

@@ -34,8 +34,8 @@ from qserve.quantize.execution import (
 )
 from qserve.quantize.recipe import DEFAULT_CALIBRATION, CalibrationSpec, Recipe, load_recipe
 from qserve.quantize.recipe_file import make_plain
-from qserve.quantize.scratch import clean_stale, exchange, scratch_dir
 from qserve.quantize.sparsity import check_structured_sparsity
+from qserve.scratch import clean_stale, exchange, scratch_dir
 
 CANDIDATE_GROUP_SIZES = (32, 64, 128, 256)
 

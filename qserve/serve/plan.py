@@ -63,19 +63,22 @@ def plan(
     port: int,
     api_key: str | None = None,
     extra_args: list[str] | None = None,
+    loaded_from: Path | None = None,
 ) -> ServePlan:
     """The `vllm serve` command line: matched arguments and device defaults, then the user's options.
 
     The user's options (after `--`) are parsed after qserve's exactly as vLLM parses them; one that
-    changes a gated setting is refused (flags.check_serve_args).
+    changes a gated setting is refused (flags.check_serve_args). vLLM loads `loaded_from` (a
+    private copy of `ckpt`, see checkpoint.snapshot) when given; names and logs stay the checkpoint's.
     """
     tokens = list(extra_args or [])
-    flags.check_user_args(ckpt, manifest, {})  # the manifest's kv_cache_dtype against the checkpoint's config
+    model_dir = (loaded_from or ckpt).resolve()
+    flags.check_user_args(model_dir, manifest, {})  # the manifest's kv_cache_dtype against the checkpoint's config
     options, env = _options(ckpt, manifest, device, host, port, api_key)
-    planned = [str(ckpt.resolve())] + [t for flag, value in options for t in ([flag] if value is None else [flag, value])]
+    planned = [str(model_dir)] + [t for flag, value in options for t in ([flag] if value is None else [flag, value])]
     changed = flags.check_serve_args(manifest, planned, tokens) if tokens else {}
     kept = [(f, v) for f, v in options if OVERRIDABLE.get(f) not in changed]
-    cmd = [sys.executable, "-m", "qserve.device.vllm_cli", "serve", str(ckpt.resolve())]
+    cmd = [sys.executable, "-m", "qserve.device.vllm_cli", "serve", str(model_dir)]
     cmd += [t for flag, value in kept for t in ([flag] if value is None else [flag, value])] + tokens
     names = changed.get("served_model_name") or [ckpt.resolve().name]
     return ServePlan(cmd, env, f"http://{host}:{port}", str(names[0]), log_file(ckpt, "serve"), api_key)

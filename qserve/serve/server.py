@@ -13,11 +13,14 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
 from qserve.checkpoint import signing
+from qserve.checkpoint.manifest import Manifest, read_manifest, verify_files
 from qserve.checkpoint.records import check_gate
+from qserve.checkpoint.snapshot import private_copy
 from qserve.errors import QserveError
 from qserve.paths import open_log
 from qserve.process import ProcessGroup
@@ -62,21 +65,51 @@ def serve(
     server that exits by itself is a QserveError naming its log.
     """
     ckpt = Path(checkpoint)
+    checks = Checks(skip_gate, verify_key, policy, accept_gate_difference)
     manifest, device = load_servable(ckpt)
-    if verify_key is not None:
-        signing.verify(ckpt, verify_key)
-        info(f"signature by {verify_key} covers every file")
-    if skip_gate:
-        info("warning: --skip-gate: serving a checkpoint without a passing accuracy gate")
-    else:
-        info(f"accuracy gate passed (decided {check_gate(ckpt, policy, accept_gate_difference)})")
+    checks.run(ckpt, announce=True)
     _warn_about_access(host, api_key, key_source)
-    p = plan(ckpt, manifest, device, host, port, api_key, extra_args)
-    with running(p, ready_timeout=ready_timeout, verbose=verbose) as server:
-        print(f"serving {p.model_name} at {p.url}/v1", flush=True)
-        print(_curl(p, key_source if api_key else None), flush=True)
-        code = server.wait()  # raises Stopped on SIGINT/SIGTERM, after the group is gone
+    with private_copy(ckpt) as copy:
+        checks.run_on_copy(copy, ckpt, manifest)
+        p = plan(ckpt, manifest, device, host, port, api_key, extra_args, loaded_from=copy)
+        with running(p, ready_timeout=ready_timeout, verbose=verbose) as server:
+            print(f"serving {p.model_name} at {p.url}/v1", flush=True)
+            print(_curl(p, key_source if api_key else None), flush=True)
+            code = server.wait()  # raises Stopped on SIGINT/SIGTERM, after the group is gone
     raise QserveError(f"vLLM server exited with code {code}; its log: {p.log}")
+
+
+@dataclass(frozen=True)
+class Checks:
+    """What a checkpoint must show before it is served: its signature (with a key) and its gate."""
+
+    skip_gate: bool = False
+    verify_key: Path | None = None
+    policy: Path | None = None
+    accept_gate_difference: bool = False
+
+    def run(self, ckpt: Path, announce: bool = False) -> None:
+        if self.verify_key is not None:
+            signing.verify(ckpt, self.verify_key)
+            if announce:
+                info(f"signature by {self.verify_key} covers every file")
+        if not self.skip_gate:
+            decided = check_gate(ckpt, self.policy, self.accept_gate_difference)
+            if announce:
+                info(f"accuracy gate passed (decided {decided})")
+        elif announce:
+            info("warning: --skip-gate: serving a checkpoint without a passing accuracy gate")
+
+    def run_on_copy(self, copy: Path, ckpt: Path, manifest: Manifest) -> None:
+        """The checks again, on the private copy vLLM will load: a file replaced in the checkpoint
+        after the first checks is caught here, and one replaced later never reaches vLLM."""
+        try:
+            if read_manifest(copy) != manifest:
+                raise QserveError("its manifest differs from the one checked")
+            verify_files(copy, manifest)
+            self.run(copy)
+        except QserveError as exc:
+            raise QserveError(f"{ckpt} changed while qserve checked it ({exc}); nothing was served") from None
 
 
 @contextmanager

@@ -1,7 +1,8 @@
-"""The directories a quantize run writes beside its output before the output exists, and their cleanup.
+"""Directories a run makes for itself and removes when it ends: a quantize run's partial output beside
+its target, `qserve serve`'s private snapshot of the checkpoint it serves.
 
-Each is named `.<output>.<kind>-<pid>-<random>`, so the next run into the same output can tell what
-a killed run left (its process has ended) from a concurrent run's work (its process still runs).
+Each is named `.<name>.<kind>-<pid>-<random>`, so the next run can tell what a killed run left (its
+process has ended) from a concurrent run's work (its process still runs).
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from pathlib import Path
 
 from qserve.progress import info
 
-KINDS = ("partial", "old")
+KINDS = ("partial", "old", "snapshot")
 
 
 def scratch_dir(out: Path, kind: str) -> Path:
-    """A new, empty directory beside `out`, tagged with this process's id."""
+    """A new, empty directory beside `out`, tagged with this process's id (mode 0700)."""
     assert kind in KINDS
     out.parent.mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix=f".{out.name}.{kind}-{os.getpid()}-", dir=out.parent))
