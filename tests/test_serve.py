@@ -243,3 +243,54 @@ def test_a_weight_file_replaced_during_start_up_never_reaches_vllm(passed_eval, 
     # The next serve checks the checkpoint itself again and refuses it.
     proc = run_qserve("serve", ckpt, "--port", str(free_port()))
     assert proc.returncode == 1 and "does not match its manifest (changed model.safetensors)" in proc.stderr
+
+
+@pytest.mark.slow
+def test_every_allowed_family_works_on_a_real_server(passed_eval, tmp_path: Path) -> None:
+    """One server with an option of each allowed family, as a production user passes them: TLS, CORS,
+    tool calling, a reasoning parser, structured output, prefix caching, chunked prefill, limits,
+    served model name and logging; then a request that uses each."""
+    import httpx
+    from openai import OpenAI
+
+    from qserve.device.passthrough import PASS_THROUGH
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
+                    "-days", "1", "-subj", "/CN=localhost"], check=True, capture_output=True)  # fmt: skip
+    families = {
+        "served model name": ["--served-model-name", "chat", "--response-role", "assistant"],
+        "context length and scheduling limits": ["--max-model-len", "1024", "--max-num-seqs", "4", "--max-num-batched-tokens", "1024"],
+        "memory and capacity": ["--max-parallel-loading-workers", "1"],
+        "prefix caching": ["--enable-prefix-caching"],
+        "chunked prefill": ["--enable-chunked-prefill"],
+        "tool calling (vLLM's built-in parsers)": ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+        "reasoning (vLLM's built-in parsers)": ["--reasoning-parser", "deepseek_r1"],
+        "structured output": ["--structured-outputs-config", '{"backend": "xgrammar"}'],
+        "parallelism and placement": ["--tensor-parallel-size", "1", "--distributed-timeout-seconds", "600"],
+        "CORS": ["--allowed-origins", '["https://app.example"]', "--allowed-methods", '["POST"]'],
+        "TLS": ["--ssl-keyfile", str(key), "--ssl-certfile", str(cert)],
+        "logging and metrics": ["--disable-log-stats", "--enable-log-requests", "--uvicorn-log-level", "warning"],
+    }
+    assert set(families) == set(PASS_THROUGH)
+    srv = Server(passed_eval[0], "--", *[t for tokens in families.values() for t in tokens], wait=False)
+    try:
+        srv.wait()
+        assert srv.ready_line.startswith("serving chat at https://127.0.0.1:"), srv.ready_line
+        base = f"https://127.0.0.1:{srv.port}"
+        client = OpenAI(base_url=f"{base}/v1", api_key=API_KEY, http_client=httpx.Client(verify=str(cert)), max_retries=0)
+        chat = [{"role": "user", "content": "What is 2 + 2?"}]
+        tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}
+        answer = client.chat.completions.create(model="chat", messages=chat, tools=[tool], tool_choice="auto", max_tokens=16)
+        assert answer.choices[0].message.role == "assistant"
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
+        fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+        shaped = client.chat.completions.create(model="chat", messages=chat, response_format=fmt, max_tokens=24, temperature=0)
+        assert (shaped.choices[0].message.content or "").lstrip().startswith("{")  # constrained to the schema's object
+        preflight = httpx.options(f"{base}/v1/chat/completions", verify=str(cert), headers={
+            "Origin": "https://app.example", "Access-Control-Request-Method": "POST"})  # fmt: skip
+        assert preflight.headers.get("access-control-allow-origin") == "https://app.example"
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"http://127.0.0.1:{srv.port}/health", timeout=5)  # TLS only
+    finally:
+        srv.close()

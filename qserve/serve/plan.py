@@ -81,7 +81,8 @@ def plan(
     cmd = [sys.executable, "-m", "qserve.device.vllm_cli", "serve", str(model_dir)]
     cmd += [t for flag, value in kept for t in ([flag] if value is None else [flag, value])] + tokens
     names = changed.get("served_model_name") or [ckpt.resolve().name]
-    return ServePlan(cmd, env, f"http://{host}:{port}", str(names[0]), log_file(ckpt, "serve"), api_key)
+    scheme = "https" if changed.get("ssl_certfile") else "http"
+    return ServePlan(cmd, env, f"{scheme}://{host}:{port}", str(names[0]), log_file(ckpt, "serve"), api_key)
 
 
 def _options(

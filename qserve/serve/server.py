@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -120,7 +121,7 @@ def running(
 
     vLLM's output goes to the plan's log file (and to stderr as well with `verbose`).
     """
-    host, _, port = p.url.removeprefix("http://").rpartition(":")
+    host, _, port = p.url.partition("://")[2].rpartition(":")
     ensure_port_free(host.strip("[]"), int(port))
     with _log_sink(p.log, verbose) as sink:
         server = ProcessGroup(command or p.command, env=p.env, stdout=sink.stdout)
@@ -164,9 +165,15 @@ def _poll(server: ProcessGroup, p: ServePlan, deadline: float, timeout: float, d
         time.sleep(0.5)
 
 
+def _probe_tls(url: str) -> ssl.SSLContext | None:
+    """qserve's own readiness requests to its own server over TLS: the certificate is the operator's
+    (often for a public name, or self-signed), and the request goes to the address qserve just bound."""
+    return ssl._create_unverified_context() if url.startswith("https://") else None  # noqa: S323
+
+
 def _healthy(url: str) -> bool:
     try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+        with urllib.request.urlopen(f"{url}/health", timeout=2, context=_probe_tls(url)) as resp:
             return resp.status == 200
     except (urllib.error.URLError, OSError):
         return False
@@ -181,7 +188,7 @@ def _first_answer(p: ServePlan, out: dict[str, BaseException | None]) -> None:
         headers["Authorization"] = f"Bearer {p.api_key}"
     request = urllib.request.Request(f"{p.url}/v1/completions", body, headers)
     try:
-        with urllib.request.urlopen(request, timeout=READY_TIMEOUT) as resp:
+        with urllib.request.urlopen(request, timeout=READY_TIMEOUT, context=_probe_tls(p.url)) as resp:
             json.load(resp)["choices"][0]["text"]
         out["error"] = None
     except urllib.error.HTTPError as exc:
