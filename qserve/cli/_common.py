@@ -104,7 +104,7 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except QserveError as exc:
-            typer.echo(f"error: {exc}", err=True)
+            typer.echo(f"error: {one_line(str(exc))}", err=True)
             raise typer.Exit(EXIT_ERROR) from None
         except KeyboardInterrupt:
             typer.echo("interrupted", err=True)
@@ -118,6 +118,12 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise typer.Exit(EXIT_ERROR) from None
 
     return wrapper
+
+
+def one_line(message: str) -> str:
+    """A message as one line: a line break inside a user's input (a YAML key, a file name) would
+    split the `error:` line."""
+    return " ".join(message.splitlines())
 
 
 def vllm_logs_to_stderr() -> None:

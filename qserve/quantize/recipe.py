@@ -343,7 +343,7 @@ def _describe(exc: ValidationError, node: yaml.Node | None, source: str) -> str:
     loc = [p for p in err["loc"] if isinstance(p, (str, int))]
     line = _line_of(node, loc)
     where = f"{source}:{line}" if line else source
-    field = ".".join(str(p) for p in loc) or "recipe"
+    field = ".".join(str(p) if str(p).isprintable() and str(p).strip() else repr(p) for p in loc) or "recipe"
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
         msg = f"unknown field; valid fields: {', '.join(_model_at(loc).model_fields)}"
