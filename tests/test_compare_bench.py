@@ -81,7 +81,11 @@ def test_bench_serves_and_measures_latency(passed_eval) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert result["completed"] == 4 and result["total_output_tokens"] == 4 * 8
-    assert result["output_throughput"] > 0 and 0 < result["mean_ttft_ms"] and 0 < result["mean_tpot_ms"]
+    # vLLM's throughputs are its counts over its duration: recomputed here from the same record.
+    assert result["output_throughput"] == pytest.approx(result["total_output_tokens"] / result["duration"], rel=1e-9)
+    assert result["request_throughput"] == pytest.approx(4 / result["duration"], rel=1e-9)
+    assert 0 < result["mean_ttft_ms"] <= result["p99_ttft_ms"] and 0 < result["mean_tpot_ms"] <= result["p99_tpot_ms"]
+    assert result["mean_ttft_ms"] / 1000 < result["duration"]  # a first token comes before the run ends
     assert result["load"]["num_prompts"] == 4
 
 
