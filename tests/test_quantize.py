@@ -231,7 +231,7 @@ def test_force_keeps_the_old_checkpoint_until_the_new_one_is_complete(tmp_path: 
     assert run_qserve("quantize", PLAIN_FP8, "--output", out).returncode == 0
     before = hash_files(out)
     card = (out / "README.md").read_text()
-    assert card.startswith("# out\n") and f"qserve serve {out}`" in card  # the final name, not the build dir's
+    assert "\n# out\n" in card and f"qserve serve {out}`" in card  # the final name, not the build dir's
     # A --force run with a calibrated recipe, stopped while it calibrates: the old checkpoint stays whole.
     proc = subprocess.Popen(
         [*QSERVE, "quantize", REPO / "recipes" / "w4a16-gptq.yaml", "--output", out, "--force"],

@@ -8,7 +8,7 @@ from typing import Any
 
 from qserve.checkpoint.manifest import CARD_NAME, Manifest
 
-__all__ = ["CARD_NAME", "gate_rows", "md_table", "model_card", "text_table", "vllm_serve_command"]
+__all__ = ["CARD_NAME", "front_matter", "gate_rows", "md_table", "model_card", "text_table", "vllm_serve_command"]
 
 
 def gate_rows(summary: dict[str, Any]) -> list[tuple[str, ...]]:
@@ -34,7 +34,7 @@ def model_card(ckpt: Path, manifest: Manifest, summary: dict[str, Any] | None) -
     """README.md for the checkpoint: what it is, how it was made, how it scored, how to serve it."""
     r = manifest.recipe
     calib = manifest.calibration or {}
-    lines = [
+    lines = front_matter(ckpt, manifest, summary) + [
         f"# {ckpt.resolve().name}",
         "",
         f"{manifest.source_model['id']} quantized to **{manifest.scheme}** by qserve (recipe `{r.get('name')}`: {r.get('description') or r.get('scheme')}).",
@@ -72,6 +72,43 @@ def model_card(ckpt: Path, manifest: Manifest, summary: dict[str, Any] | None) -
         "",
     ]
     return "\n".join(lines)
+
+
+def front_matter(ckpt: Path, manifest: Manifest, summary: dict[str, Any] | None) -> list[str]:
+    """The Hugging Face model-card metadata block: base model, library, tags, quantization, and the
+    gate's results in the model-index form (what the hub and its tools read)."""
+    import yaml
+
+    args = manifest.vllm_args
+    source = str(manifest.source_model.get("id", ""))
+    meta: dict[str, Any] = {}
+    if _hub_id(source):
+        meta |= {"base_model": source, "base_model_relation": "quantized"}
+    backend = "quark" if args.quantization == "quark" else "llm-compressor"
+    meta["library_name"] = "transformers"
+    meta["tags"] = ["qserve", "quantized", manifest.scheme.lower(), args.quantization or "unquantized", backend, "vllm"]
+    meta["quantization"] = {"scheme": manifest.scheme, "recipe": manifest.recipe.get("name"), "vllm_quantization": args.quantization,
+                            "kv_cache_dtype": args.kv_cache_dtype, "dtype": args.dtype}  # fmt: skip
+    if summary is not None and summary.get("gates"):
+        meta["model-index"] = [{"name": ckpt.resolve().name, "results": [_result(g, summary) for g in summary["gates"]]}]
+    return ["---", yaml.safe_dump(meta, sort_keys=False).rstrip(), "---", ""]
+
+
+def _hub_id(name: str) -> bool:
+    """`org/model` as the hub names it, not a local path."""
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "~")) and not Path(name).exists()
+
+
+def _result(gate: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
+    metric = gate["metric"].split(",")[0]
+    where = "emulated in transformers" if summary.get("emulated") else "vLLM"
+    name = f"{metric} ({where}; baseline {gate['baseline']:.4g}; gate {gate['status']} on {gate.get('items')} items)"
+    return {
+        "task": {"type": "text-generation"},
+        "dataset": {"name": gate["task"], "type": gate["task"]},
+        "metrics": [{"type": metric, "value": gate["quantized"], "name": name, "verified": False}],
+    }
 
 
 def _waiver_line(waiver: dict[str, Any]) -> str:
