@@ -8,7 +8,7 @@ RECIPE ?= recipes/w8a8-int8.yaml
 TASKS ?= gsm8k_ppl
 LIMIT ?= 100
 
-.PHONY: setup demo test test-fast matrix
+.PHONY: setup demo test test-fast matrix docs
 
 setup:
 	@$(UV) --version >/dev/null 2>&1 || python3 -m pip install --user --quiet uv
@@ -31,3 +31,7 @@ test-fast: setup
 # per cell). `--resume` keeps what an interrupted run finished, and serves cells an earlier run did not.
 matrix: setup
 	$(UV) run --locked --extra cpu qserve matrix --out docs/architectures.md
+
+# The CLI reference, from the commands' own --help (tests/test_cli.py fails when it is stale).
+docs: setup
+	$(UV) run --locked --extra cpu python -m qserve.cli.reference > docs/cli.md

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_qserve
+from conftest import REPO, run_qserve, run_qserve_in_process
 
 HEAVY = ("torch", "vllm", "llmcompressor", "lm_eval", "transformers", "quark", "scipy", "model_signing")
 
@@ -63,3 +63,15 @@ def test_serve_option_typo_without_double_dash_is_an_error_not_a_pass_through() 
     proc = run_qserve("serve", ".", "--max-model-len", "4096")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == "Error: No such option: --max-model-len"
+
+
+def test_the_cli_reference_page_is_the_commands_own_help() -> None:
+    """docs/cli.md is regenerated from the app (python -m qserve.cli.reference), and each section is
+    what `qserve COMMAND --help` prints at 80 columns."""
+    from qserve.cli.reference import render
+
+    page = (REPO / "docs" / "cli.md").read_text()
+    assert page == render(), "docs/cli.md is stale: python -m qserve.cli.reference > docs/cli.md"
+    for name in (None, "serve", "run", "quantize", "eval"):
+        proc = run_qserve_in_process(*([name] if name else []), "--help", env={"COLUMNS": "80"})
+        assert proc.returncode == 0 and f"```text\n{proc.stdout}```" in page
