@@ -75,3 +75,16 @@ def test_the_cli_reference_page_is_the_commands_own_help() -> None:
     for name in (None, "serve", "run", "quantize", "eval"):
         proc = run_qserve_in_process(*([name] if name else []), "--help", env={"COLUMNS": "80"})
         assert proc.returncode == 0 and f"```text\n{proc.stdout}```" in page
+
+
+def test_troubleshooting_is_keyed_by_error_lines_qserve_prints() -> None:
+    """Each heading of docs/troubleshooting.md is the start of an error line in qserve's source
+    (`...` stands for what the message fills in)."""
+    import re
+
+    source = "".join(p.read_text() for p in (REPO / "qserve").rglob("*.py"))
+    headings = re.findall(r"^### `error: (.*)`$", (REPO / "docs" / "troubleshooting.md").read_text(), re.M)
+    assert len(headings) >= 15
+    for heading in headings:
+        for fragment in (f.strip() for f in heading.split("...")):
+            assert not fragment or fragment in source, (heading, fragment)
