@@ -335,3 +335,20 @@ def gate_record(task: str = "gsm8k_ppl", items: int = 100, criteria: dict | None
     return {"task": task, "metric": "word_perplexity,none", "higher_is_better": False, "baseline": 10.0, "quantized": 10.1,
             "baseline_stderr": None, "quantized_stderr": None, "recovery": 10 / 10.1, "degradation": 0.1, "degradation_stderr": 0.02,
             "criteria": criteria, "allowed_degradation": allowed, "status": status, "reason": "r", "items": items, "signal": True} | kw  # fmt: skip
+
+
+# One real use of each allowed family (what production users of vLLM pass), as vLLM parses it.
+ALLOWED_USES = {
+    "served model name": ["--served-model-name", "chat", "--response-role", "assistant"],
+    "context length and scheduling limits": ["--max-model-len", "1024", "--max-num-seqs", "4", "--max-num-batched-tokens", "2048"],
+    "memory and capacity": ["--kv-cache-memory-bytes", "100000000"],
+    "prefix caching": ["--enable-prefix-caching"],
+    "chunked prefill": ["--enable-chunked-prefill"],
+    "tool calling (vLLM's built-in parsers)": ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+    "reasoning (vLLM's built-in parsers)": ["--reasoning-parser", "deepseek_r1"],
+    "structured output": ["--structured-outputs-config", '{"backend": "xgrammar"}'],
+    "parallelism and placement": ["--tensor-parallel-size", "2"],
+    "CORS": ["--allowed-origins", '["https://app.example"]', "--allow-credentials"],
+    "TLS": ["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"],
+    "logging and metrics": ["--disable-log-stats", "--enable-log-requests", "--uvicorn-log-level", "warning"],
+}

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import (
+    ALLOWED_USES,
     API_KEY,
     Server,
     assert_served_text_equals_the_eval_engines,
@@ -258,19 +259,10 @@ def test_every_allowed_family_works_on_a_real_server(passed_eval, tmp_path: Path
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
                     "-days", "1", "-subj", "/CN=localhost"], check=True, capture_output=True)  # fmt: skip
-    families = {
-        "served model name": ["--served-model-name", "chat", "--response-role", "assistant"],
-        "context length and scheduling limits": ["--max-model-len", "1024", "--max-num-seqs", "4", "--max-num-batched-tokens", "1024"],
-        "memory and capacity": ["--max-parallel-loading-workers", "1"],
-        "prefix caching": ["--enable-prefix-caching"],
-        "chunked prefill": ["--enable-chunked-prefill"],
-        "tool calling (vLLM's built-in parsers)": ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
-        "reasoning (vLLM's built-in parsers)": ["--reasoning-parser", "deepseek_r1"],
-        "structured output": ["--structured-outputs-config", '{"backend": "xgrammar"}'],
-        "parallelism and placement": ["--tensor-parallel-size", "1", "--distributed-timeout-seconds", "600"],
-        "CORS": ["--allowed-origins", '["https://app.example"]', "--allowed-methods", '["POST"]'],
+    # Each family's use from the plan tests, but TLS with a real certificate and one CPU process.
+    families = ALLOWED_USES | {
         "TLS": ["--ssl-keyfile", str(key), "--ssl-certfile", str(cert)],
-        "logging and metrics": ["--disable-log-stats", "--enable-log-requests", "--uvicorn-log-level", "warning"],
+        "parallelism and placement": ["--tensor-parallel-size", "1", "--distributed-timeout-seconds", "600"],
     }
     assert set(families) == set(PASS_THROUGH)
     srv = Server(passed_eval[0], "--", *[t for tokens in families.values() for t in tokens], wait=False)

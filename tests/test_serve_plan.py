@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import ALLOWED_USES
 
 from qserve.checkpoint.manifest import Manifest, VllmArgs
 from qserve.device.detect import Device
@@ -125,23 +126,6 @@ def test_capacity_and_placement_flags_pass_through(tmp_path: Path) -> None:
     p = plan(tmp_path / "ck", manifest(), CPU, "127.0.0.1", 8000, extra_args=extra)
     assert p.command[-len(extra) :] == extra  # as the user wrote them, after qserve's own
     assert "--max-model-len" not in p.command  # qserve's default gave way to the user's
-
-
-# One real use of each allowed family (what production users of vLLM pass), as vLLM parses it.
-ALLOWED_USES = {
-    "served model name": ["--served-model-name", "chat", "--response-role", "assistant"],
-    "context length and scheduling limits": ["--max-model-len", "1024", "--max-num-seqs", "4", "--max-num-batched-tokens", "2048"],
-    "memory and capacity": ["--kv-cache-memory-bytes", "100000000"],
-    "prefix caching": ["--enable-prefix-caching"],
-    "chunked prefill": ["--enable-chunked-prefill"],
-    "tool calling (vLLM's built-in parsers)": ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
-    "reasoning (vLLM's built-in parsers)": ["--reasoning-parser", "deepseek_r1"],
-    "structured output": ["--structured-outputs-config", '{"backend": "xgrammar"}'],
-    "parallelism and placement": ["--tensor-parallel-size", "2"],
-    "CORS": ["--allowed-origins", '["https://app.example"]', "--allow-credentials"],
-    "TLS": ["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"],
-    "logging and metrics": ["--disable-log-stats", "--enable-log-requests", "--uvicorn-log-level", "warning"],
-}
 
 
 @pytest.mark.parametrize("family", sorted(ALLOWED_USES))
