@@ -65,8 +65,8 @@ def checkpoint_for(
 
 def why_stale(out: Path, recipe: Path, model: str | None, data_dir: Path | None, trust_remote_code: bool) -> str | None:
     """Why the checkpoint at `out` is not this recipe's output (None: it is, and intact)."""
+    from qserve.checkpoint.hashing import model_digest
     from qserve.checkpoint.models import resolve_model
-    from qserve.evaluate.baselines import model_digest
     from qserve.quantize.pipeline import with_default_calibration
     from qserve.quantize.recipe import load_recipe
 

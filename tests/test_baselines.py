@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from qserve.checkpoint.hashing import model_digest
 from qserve.evaluate import baselines
 
 
@@ -58,10 +59,10 @@ def test_model_digest_follows_content(isolated_cache: Path) -> None:
     model.mkdir()
     (model / "config.json").write_text("{}")
     (model / "model.safetensors").write_bytes(b"abc")
-    first = baselines.model_digest(model)
-    assert baselines.model_digest(model) == first
+    first = model_digest(model)
+    assert model_digest(model) == first
     (model / "model.safetensors").write_bytes(b"abd")
-    assert baselines.model_digest(model) != first
+    assert model_digest(model) != first
 
 
 def test_key_covers_torch_transformers_and_the_device_in_detail(isolated_cache: Path, monkeypatch) -> None:
@@ -107,8 +108,8 @@ def test_model_digest_reads_content_not_size_and_mtime(isolated_cache: Path) -> 
     (model / "config.json").write_text("{}")
     weights = model / "model.safetensors"
     weights.write_bytes(b"abc")
-    first = baselines.model_digest(model)
+    first = model_digest(model)
     stat = weights.stat()
     weights.write_bytes(b"xyz")  # same size ...
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # ... and the same mtime
-    assert baselines.model_digest(model) != first
+    assert model_digest(model) != first

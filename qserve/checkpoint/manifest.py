@@ -2,28 +2,31 @@
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
-import os
-import stat
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from qserve.checkpoint.hashing import hash_files, hashed_paths, manifest_digest, refuse_special_files, sha256_file
+from qserve.checkpoint.layout import (
+    CARD_NAME,
+    EVAL_NAME,
+    LM_EVAL_RESULTS_NAME,
+    MANIFEST_NAME,
+    RECORD_DIRS,
+    RECORD_NAMES,
+    REPORT_NAME,
+    SIGNATURE_NAME,
+)
 from qserve.errors import QserveError
 
-MANIFEST_NAME = "qserve_manifest.json"
-EVAL_NAME = "qserve_eval.json"
-LM_EVAL_RESULTS_NAME = "lm_eval_results.json"
-CARD_NAME = "README.md"  # the model card (qserve writes it; eval rewrites it with results)
-REPORT_NAME = "qserve_eval.md"
-# qserve's own records beside the weights, rewritten by eval and serve: the only files a
-# manifest does not hash. Everything else (weights, configs, tokenizer, templates, code,
-# .bin/.pt files) is hashed, and an added, removed or changed file is refused.
-SIGNATURE_NAME = "qserve_signature.sig"  # `qserve sign`: a sigstore bundle over everything else
-RECORD_NAMES = {MANIFEST_NAME, EVAL_NAME, LM_EVAL_RESULTS_NAME, CARD_NAME, REPORT_NAME, SIGNATURE_NAME}
-RECORD_DIRS = {"logs"}  # <checkpoint>/logs/serve.log
+__all__ = [
+    "CARD_NAME", "EVAL_NAME", "LM_EVAL_RESULTS_NAME", "MANIFEST_NAME", "RECORD_DIRS", "RECORD_NAMES", "REPORT_NAME",
+    "SIGNATURE_NAME", "Manifest", "VllmArgs", "hash_files", "hashed_paths", "library_versions", "manifest_digest",
+    "read_manifest", "refuse_special_files", "sha256_file", "verify_files", "write_manifest",
+]  # fmt: skip  (the names other modules import from here)
+
 TRACKED_PACKAGES = (
     "qserve",
     "torch",
@@ -85,51 +88,6 @@ def library_versions() -> dict[str, str]:
     return out
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def hashed_paths(directory: Path) -> list[Path]:
-    """Every file in `directory` except qserve's own records (RECORD_NAMES at the top, RECORD_DIRS)."""
-    return [p for p in sorted(directory.rglob("*")) if p.is_file() and not _is_record(p.relative_to(directory))]
-
-
-def _is_record(rel: Path) -> bool:
-    # records.write_text writes "<record>.<pid>.tmp" first; one left by a crash is still a record's
-    name = rel.name.rsplit(".", 2)[0] if rel.name.endswith(".tmp") else rel.name
-    return (len(rel.parts) == 1 and name in RECORD_NAMES) or rel.parts[0] in RECORD_DIRS
-
-
-def hash_files(directory: Path) -> dict[str, str]:
-    """The checkpoint's files and their hashes, after refusing anything but plain files and directories."""
-    refuse_special_files(directory)
-    return {str(p.relative_to(directory)): sha256_file(p) for p in hashed_paths(directory)}
-
-
-def refuse_special_files(directory: Path) -> None:
-    """A checkpoint holds plain files and directories only: a symbolic link (what it names can change
-    after the check), a FIFO, a socket or a device is refused by name."""
-    for root, dirs, files in os.walk(directory):
-        for name in dirs + files:
-            path = Path(root) / name
-            mode = path.lstat().st_mode
-            kind = _special_kind(mode)
-            if kind:
-                raise QserveError(
-                    f"checkpoint {directory} holds {kind} at {path.relative_to(directory)}; a checkpoint holds only plain files and directories"
-                )
-
-
-def _special_kind(mode: int) -> str | None:
-    kinds = {stat.S_ISLNK: "a symbolic link", stat.S_ISFIFO: "a FIFO", stat.S_ISSOCK: "a socket"}
-    kinds |= {stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device"}
-    return next((kind for test, kind in kinds.items() if test(mode)), None)
-
-
 def write_manifest(directory: Path, manifest: Manifest) -> None:
     (directory / MANIFEST_NAME).write_text(manifest.model_dump_json(indent=2) + "\n")
 
@@ -144,11 +102,6 @@ def read_manifest(directory: Path) -> Manifest:
         return Manifest.model_validate_json(path.read_text())
     except (ValidationError, ValueError) as exc:
         raise QserveError(f"{path} is corrupt or was edited by hand: {str(exc).splitlines()[0]}") from None
-
-
-def manifest_digest(directory: Path) -> str:
-    """Identity of a checkpoint: the manifest file's bytes, file hashes included. Gate decisions bind to it."""
-    return sha256_file(directory / MANIFEST_NAME)
 
 
 def verify_files(directory: Path, manifest: Manifest) -> None:

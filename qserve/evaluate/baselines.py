@@ -16,16 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from qserve import paths
-from qserve.checkpoint.manifest import hashed_paths, library_versions, sha256_file
+from qserve.checkpoint.hashing import sha256_file, sha256_json
+from qserve.checkpoint.manifest import library_versions
 from qserve.checkpoint.records import write_json
 
 FORMAT = 2
-
-
-def model_digest(model_dir: Path) -> str:
-    """SHA-256 over the model's files, read in full every time: a size and mtime can be kept
-    while the content changes, so no memo stands in for the bytes."""
-    return _digest({str(p.relative_to(model_dir)): sha256_file(p) for p in hashed_paths(model_dir)})
 
 
 def task_key(model_hash: str, task_config: dict, limit: int | None, engine: dict[str, Any], device: str) -> dict:
@@ -63,7 +58,7 @@ def store(key: dict, result: dict, items: dict) -> Path:
 
 
 def entry_path(key: dict) -> Path:
-    return paths.cache_dir() / "baselines" / f"{key['task'].get('task', 'task')}-{_digest(key)[:20]}.json"
+    return paths.cache_dir() / "baselines" / f"{key['task'].get('task', 'task')}-{sha256_json(key)[:20]}.json"
 
 
 def with_data_hashes(config: dict) -> dict:
@@ -81,23 +76,19 @@ def stable(obj: Any) -> Any:
     def default(o: Any) -> str:
         if callable(o):
             name = f"{getattr(o, '__module__', '')}.{getattr(o, '__qualname__', type(o).__name__)}"
-            return f"{name}:{_source_digest(o)}"
+            return f"{name}:{_sourcesha256_json(o)}"
         return str(o)
 
     return json.loads(json.dumps(obj, sort_keys=True, default=default))
 
 
-def _source_digest(fn: Any) -> str:
+def _sourcesha256_json(fn: Any) -> str:
     import inspect
 
     try:
         return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
     except (OSError, TypeError):
         return "no-source"  # a builtin: its behaviour is pinned by the library versions
-
-
-def _digest(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _read_json(path: Path) -> Any:

@@ -10,6 +10,7 @@ from typing import Any
 
 from qserve import paths
 from qserve.checkpoint import signing
+from qserve.checkpoint.hashing import model_digest
 from qserve.checkpoint.manifest import Manifest, VllmArgs, library_versions, manifest_digest, read_manifest, verify_files
 from qserve.checkpoint.models import ModelRef, baseline_model
 from qserve.checkpoint.records import resolve_checkpoint
@@ -209,7 +210,7 @@ def _baseline_side(plan: _Plan, window: Window, refresh: bool) -> _Baseline:
     trc = plan.manifest.vllm_args.trust_remote_code
     args = engine.baseline_args(plan.device, trc)
     with step("hashing the baseline model for the baseline cache"):
-        sha = baselines.model_digest(model.path)
+        sha = model_digest(model.path)
     if plan.emulated:
         kwargs = fallback.lm_kwargs(model.path, None, trc)
     else:

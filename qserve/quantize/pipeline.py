@@ -320,8 +320,8 @@ def environment(model_path: Path) -> dict[str, Any]:
 
     import torch
 
+    from qserve.checkpoint.hashing import model_digest
     from qserve.device.detect import detect_device, fingerprint
-    from qserve.evaluate.baselines import model_digest
 
     return {
         "torch_threads": torch.get_num_threads(),
