@@ -219,44 +219,15 @@ def test_serve_refuses_a_gate_looser_than_the_recipe(passed_eval, tmp_path: Path
     )
 
 
-@pytest.mark.slow
-def test_a_weight_file_replaced_during_start_up_never_reaches_vllm(passed_eval, tmp_path: Path) -> None:
-    """vLLM loads a private copy that qserve checked: garbage swapped into the checkpoint while vLLM
-    starts (after every check passed) is not what it loads, so it starts and answers."""
+@pytest.fixture(scope="module")
+def production_server(passed_eval, tmp_path_factory):
+    """One server as production runs it, shared by the tests below (one vLLM start, not three): an
+    option of each allowed family (TLS with a real certificate), started from a copy of the gated
+    checkpoint whose weights are replaced by garbage as soon as every check has passed."""
     import time
 
-    ckpt = copy_checkpoint(passed_eval[0], tmp_path / "ckpt")
-    srv = Server(ckpt, wait=False)
-    try:
-        deadline = time.monotonic() + 300
-        while not (ckpt / "logs" / "serve.log").exists():  # opened once the copy has passed the checks
-            assert srv.proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.1)
-        garbage = ckpt / "model.safetensors.new"
-        garbage.write_bytes(b"not a safetensors file")
-        os.replace(garbage, ckpt / "model.safetensors")  # as an attacker would: a rename, atomic
-        srv.wait()
-        assert srv.ready_line.startswith("serving ckpt at "), srv.ready_line
-        answer = srv.client().completions.create(model="ckpt", prompt="2 + 2 =", max_tokens=4, temperature=0)
-        assert answer.choices[0].text.strip()
-    finally:
-        srv.close()
-    # The next serve checks the checkpoint itself again and refuses it.
-    proc = run_qserve("serve", ckpt, "--port", str(free_port()))
-    assert proc.returncode == 1 and "does not match its manifest (changed model.safetensors)" in proc.stderr
-
-
-@pytest.mark.slow
-def test_every_allowed_family_works_on_a_real_server(passed_eval, tmp_path: Path) -> None:
-    """One server with an option of each allowed family, as a production user passes them: TLS, CORS,
-    tool calling, a reasoning parser, structured output, prefix caching, chunked prefill, limits,
-    served model name and logging; then a request that uses each."""
-    import httpx
-    from openai import OpenAI
-
-    from qserve.device.passthrough import PASS_THROUGH
-
-    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    work = tmp_path_factory.mktemp("production")
+    key, cert = work / "key.pem", work / "cert.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
                     "-days", "1", "-subj", "/CN=localhost"], check=True, capture_output=True)  # fmt: skip
     # Each family's use from the plan tests, but TLS with a real certificate and one CPU process.
@@ -264,25 +235,77 @@ def test_every_allowed_family_works_on_a_real_server(passed_eval, tmp_path: Path
         "TLS": ["--ssl-keyfile", str(key), "--ssl-certfile", str(cert)],
         "parallelism and placement": ["--tensor-parallel-size", "1", "--distributed-timeout-seconds", "600"],
     }
-    assert set(families) == set(PASS_THROUGH)
-    srv = Server(passed_eval[0], "--", *[t for tokens in families.values() for t in tokens], wait=False)
-    try:
-        srv.wait()
-        assert srv.ready_line.startswith("serving chat at https://127.0.0.1:"), srv.ready_line
-        base = f"https://127.0.0.1:{srv.port}"
-        client = OpenAI(base_url=f"{base}/v1", api_key=API_KEY, http_client=httpx.Client(verify=str(cert)), max_retries=0)
-        chat = [{"role": "user", "content": "What is 2 + 2?"}]
-        tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}
-        answer = client.chat.completions.create(model="chat", messages=chat, tools=[tool], tool_choice="auto", max_tokens=16)
-        assert answer.choices[0].message.role == "assistant"
-        schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
-        fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
-        shaped = client.chat.completions.create(model="chat", messages=chat, response_format=fmt, max_tokens=24, temperature=0)
-        assert (shaped.choices[0].message.content or "").lstrip().startswith("{")  # constrained to the schema's object
-        preflight = httpx.options(f"{base}/v1/chat/completions", verify=str(cert), headers={
-            "Origin": "https://app.example", "Access-Control-Request-Method": "POST"})  # fmt: skip
-        assert preflight.headers.get("access-control-allow-origin") == "https://app.example"
-        with pytest.raises(httpx.TransportError):  # no HTTP answer without TLS
-            httpx.get(f"http://127.0.0.1:{srv.port}/health", timeout=5)
-    finally:
-        srv.close()
+    ckpt = copy_checkpoint(passed_eval[0], work / "ckpt")
+    srv = Server(ckpt, "--", *[t for tokens in families.values() for t in tokens], wait=False)
+    srv.families, srv.cert = families, cert
+    deadline = time.monotonic() + 300
+    while not (ckpt / "logs" / "serve.log").exists():  # opened once the private copy passed the checks
+        assert srv.proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    garbage = ckpt / "model.safetensors.new"
+    garbage.write_bytes(b"not a safetensors file")
+    os.replace(garbage, ckpt / "model.safetensors")  # as an attacker would: one atomic rename
+    srv.wait()
+    yield srv
+    srv.close()
+
+
+@pytest.mark.slow
+def test_a_weight_file_replaced_during_start_up_never_reaches_vllm(production_server) -> None:
+    """vLLM loads the private copy qserve checked, so the garbage swapped in during start-up is not
+    what it loads: it starts and answers. The next serve checks the checkpoint again and refuses it."""
+    assert production_server.ready_line.startswith("serving chat at https://127.0.0.1:"), production_server.ready_line
+    proc = run_qserve("serve", production_server.ckpt, "--port", str(free_port()))
+    assert proc.returncode == 1 and "does not match its manifest (changed model.safetensors)" in proc.stderr
+
+
+@pytest.mark.slow
+def test_every_allowed_family_works_on_a_real_server(production_server) -> None:
+    """TLS, CORS, tool calling, a reasoning parser, structured output, prefix caching, chunked
+    prefill, limits, served model name and logging, all passed at once; a request uses each."""
+    import httpx
+    from openai import OpenAI
+
+    from qserve.device.passthrough import PASS_THROUGH
+
+    srv, cert = production_server, str(production_server.cert)
+    assert set(srv.families) == set(PASS_THROUGH)
+    base = f"https://127.0.0.1:{srv.port}"
+    client = OpenAI(base_url=f"{base}/v1", api_key=API_KEY, http_client=httpx.Client(verify=cert), max_retries=0)
+    chat = [{"role": "user", "content": "What is 2 + 2?"}]
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}
+    answer = client.chat.completions.create(model="chat", messages=chat, tools=[tool], tool_choice="auto", max_tokens=16)
+    assert answer.choices[0].message.role == "assistant"
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    shaped = client.chat.completions.create(model="chat", messages=chat, response_format=fmt, max_tokens=24, temperature=0)
+    assert (shaped.choices[0].message.content or "").lstrip().startswith("{")  # constrained to the schema's object
+    preflight = httpx.options(f"{base}/v1/chat/completions", verify=cert, headers={
+        "Origin": "https://app.example", "Access-Control-Request-Method": "POST"})  # fmt: skip
+    assert preflight.headers.get("access-control-allow-origin") == "https://app.example"
+    with pytest.raises(httpx.TransportError):  # no HTTP answer without TLS
+        httpx.get(f"http://127.0.0.1:{srv.port}/health", timeout=5)
+
+
+@pytest.mark.slow
+def test_sigkill_of_a_ready_server_leaves_no_process_and_frees_the_port(production_server) -> None:
+    """`kill -9` of qserve: no handler runs, yet the group's guard ends vLLM's whole process group
+    (last in this module: it ends the shared server)."""
+    import socket
+    import time
+
+    from qserve.process import GRACE_SECONDS, group_members
+
+    proc = production_server.proc
+    children = [int(c) for c in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+    (server,) = [c for c in children if b"qserve.device.vllm_cli" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    members = group_members(server)
+    assert len(members) >= 2  # the API server and its engine core, at least
+    proc.kill()
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + GRACE_SECONDS + 10
+    while group_members(server) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert group_members(server) == []
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", production_server.port))  # free again
