@@ -352,3 +352,20 @@ ALLOWED_USES = {
     "TLS": ["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"],
     "logging and metrics": ["--disable-log-stats", "--enable-log-requests", "--uvicorn-log-level", "warning"],
 }
+
+
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    """Each test's setup, call and teardown, added up per file (a shared fixture counts where it was built)."""
+    path = report.nodeid.split("::")[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _FILE_SECONDS:
+        terminalreporter.section("time by test file")
+        for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1]):
+            terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
+        terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f} s  in all")
