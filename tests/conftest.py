@@ -39,6 +39,25 @@ def _make_default(name: str) -> str:
 DEMO_RECIPE, DEMO_TASKS, DEMO_LIMIT = _make_default("RECIPE"), _make_default("TASKS"), int(_make_default("LIMIT"))
 
 
+# vLLM run in the test process (the matrix, in-process evals) sets VLLM_* variables of its own
+# (VLLM_ENABLE_V1_MULTIPROCESSING, VLLM_DIST_IDENT, ...) in os.environ; a user's shell has none of them,
+# and `qserve serve` rightly refuses them, so each test (its fixtures included) starts without those
+# vLLM set.
+USER_VLLM_ENV = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
+
+
+def shell_environment() -> dict[str, str]:
+    """os.environ without the VLLM_* variables vLLM set in this process: what a subprocess gets."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")} | USER_VLLM_ENV
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    clean = shell_environment()
+    os.environ.clear()
+    os.environ.update(clean)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def qserve_env() -> None:
     if not (DATA_DIR / "gsm8k" / "train.jsonl").is_file():
@@ -56,7 +75,7 @@ def run_qserve(
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, **(env or {})},
+        env={**shell_environment(), **(env or {})},
         cwd=cwd or REPO,
     )
 
@@ -292,7 +311,7 @@ class Server:
     def __init__(self, ckpt: Path, *args: str, wait: bool = True) -> None:
         """Start it; with wait=False the caller does other work while vLLM starts, then calls wait()."""
         self.ckpt, self.port = ckpt, free_port()
-        env = {**os.environ, "QSERVE_API_KEY": API_KEY}
+        env = {**shell_environment(), "QSERVE_API_KEY": API_KEY}
         self.proc = subprocess.Popen(
             [*QSERVE, "serve", ckpt, "--port", str(self.port), *args],
             stdout=subprocess.PIPE,

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, run_qserve_in_process
 
+from qserve.device import detect
 from qserve.matrix.tiny import ARCHITECTURES, build
 from qserve.quantize.recipe import load_recipe
 
@@ -388,24 +389,46 @@ def test_gemma_is_served_in_bfloat16_because_vllm_refuses_float16(slice_cells) -
 
 # What the support table says vLLM-CPU does with quantized experts, each seen failing with vLLM's own message
 # (the matrix marks such a cell "no kernel": the support table expected exactly that failure).
-MOE_REFUSED = {"w8a8-int8": ("compressed-tensors", "W8A8"), "fp8-dynamic": ("compressed-tensors", "FP8_DYNAMIC")}
+MOE_CELLS = {"w8a8-int8": ("compressed-tensors", "W8A8"), "fp8-dynamic": ("compressed-tensors", "FP8_DYNAMIC")}
+AMX = "amx_tile" in detect.cpu_flags()
 
 
 @pytest.fixture(scope="module")
-def moe_refusals(tmp_path_factory):
+def moe_cells(tmp_path_factory):
     from qserve.matrix.run import run_cells
 
-    return run_cells([("qwen3_moe", column) for column in MOE_REFUSED], tmp_path_factory.mktemp("moe"), serve=False)
+    cells = run_cells([("qwen3_moe", column) for column in MOE_CELLS], tmp_path_factory.mktemp("moe"), serve=False)
+    return {cell.column: cell for cell in cells}
 
 
 @pytest.mark.slow
-def test_vllm_cpu_refuses_quantized_experts_with_the_message_the_support_table_names(moe_refusals) -> None:
+@pytest.mark.skipif(AMX, reason="on an AMX CPU vLLM runs INT8 experts (the next test)")
+def test_vllm_cpu_without_amx_refuses_quantized_experts_with_the_message_the_support_table_names(moe_cells) -> None:
     from qserve.device import support
 
-    for cell in moe_refusals:
-        claim = support.CPU_MOE[MOE_REFUSED[cell.column]]
+    for column, cell in moe_cells.items():
+        claim = support.CPU_MOE[MOE_CELLS[column]]
         assert (cell.status, cell.stage, claim.runs) == ("no kernel", "load", False)
         assert claim.failure in cell.reason, cell.reason
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not AMX, reason="CPUExpertsInt8 needs AMX tiles")
+def test_vllm_cpu_with_amx_runs_int8_experts_but_nothing_can_check_them(moe_cells) -> None:
+    """Measured 2026-11-25 on an AMX Xeon: vLLM loads and generates with INT8 experts; transformers cannot
+    load them to compare, so the cell is "unchecked" (never pass) and the support table does not say runs."""
+    from qserve.device import support
+
+    fp8, int8 = moe_cells["fp8-dynamic"], moe_cells["w8a8-int8"]
+    claim = support.support_for(*MOE_CELLS["fp8-dynamic"], "cpu", moe=True)
+    assert (fp8.status, fp8.stage, claim.runs) == ("no kernel", "load", False)
+    assert claim.failure == "Unsupported FP8 MoE backend: NONE" and claim.failure in fp8.reason
+    assert (int8.status, int8.stage, list(int8.seconds)) == ("unchecked", "agree", ["quantize", "load", "agree"])
+    assert int8.reason.startswith("vLLM ran it (finite log-probabilities); transformers cannot load ")
+    assert "automatic conversion of the weights" in int8.reason
+    int8_claim = support.support_for(*MOE_CELLS["w8a8-int8"], "cpu", moe=True)
+    assert (int8_claim.runs, int8_claim.failure) == (False, "")
+    assert int8_claim.evidence.startswith("vLLM-CPU runs INT8 experts on this AMX CPU (CPUExpertsInt8)")
 
 
 @pytest.mark.slow

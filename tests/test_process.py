@@ -160,7 +160,8 @@ def test_failed_first_generation_is_an_error_and_stops_the_server(tmp_path: Path
 
 @pytest.mark.slow
 def test_real_server_stopped_during_start_up_exits_within_the_bound(checkpoints) -> None:
-    """The real `qserve serve` with vLLM, SIGTERM 15 s into start-up: exit 143, no vLLM process left."""
+    """The real `qserve serve` with vLLM, SIGTERM once vLLM's API server has started its engine (start-up
+    under way, not yet ready): exit 143, no vLLM process left."""
     ckpt = checkpoints["w4a16-gptq"]
     proc = subprocess.Popen(
         [*QSERVE, "serve", ckpt, "--skip-gate", "--port", str(free_port())],
@@ -169,13 +170,28 @@ def test_real_server_stopped_during_start_up_exits_within_the_bound(checkpoints)
         text=True,
         cwd=REPO,
     )
-    time.sleep(15)
-    server, guard = _children(proc.pid)
+    server, guard = _when(lambda: _children(proc.pid))
+    _when(lambda: len(group_members(server)) >= 2 or None)  # vLLM's engine process is starting
     assert proc.poll() is None  # vLLM's API server, still starting
     exit_code, seconds, stderr = _stop(proc, signal.SIGTERM)
     assert (exit_code, stderr.strip().splitlines()[-1]) == (143, "stopped by SIGTERM")
     assert seconds < GRACE_SECONDS + 10
     assert group_members(server) == [] and _dead(guard)
+
+
+def _when(look, seconds: float = 120):
+    """What `look` returns once it is neither None nor an AssertionError, polled every 0.2 s."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            found = look()
+            if found is not None:
+                return found
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+        assert time.monotonic() < deadline, f"not seen within {seconds} s"
+        time.sleep(0.2)
 
 
 def _children(pid: int) -> tuple[int, int]:

@@ -77,13 +77,13 @@ ENV_PASS = {
 }  # fmt: skip  (grouped by kind)
 ENV_PASS_PREFIXES = ("LC_", "OMP_", "KMP_", "MKL_", "NCCL_", "GLOO_")
 # vLLM's own variables that leave what is served, and who may reach it, alone: logging, caches,
-# timeouts, CPU placement. Any other VLLM_* variable is refused: VLLM_SERVER_DEV_MODE=1 alone
+# timeouts, CPU placement, how workers start. Any other VLLM_* variable is refused: VLLM_SERVER_DEV_MODE=1 alone
 # opens /collective_rpc and /update_weights on the served model.
 VLLM_ENV_PASS = {
     "VLLM_LOGGING_LEVEL", "VLLM_LOGGING_STREAM", "VLLM_LOGGING_PREFIX", "VLLM_CONFIGURE_LOGGING",
     "VLLM_NO_USAGE_STATS", "VLLM_DO_NOT_TRACK", "VLLM_CACHE_ROOT", "VLLM_CONFIG_ROOT", "VLLM_RPC_TIMEOUT",
     "VLLM_ENGINE_READY_TIMEOUT_S", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "VLLM_HOST_IP", "VLLM_PORT",
-    "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "VLLM_WORKER_MULTIPROC_METHOD",
 }  # fmt: skip  (grouped by kind)
 # The key is the caller's choice (`api_key`), never an inherited one.
 VLLM_ENV_DROPPED = {"VLLM_API_KEY"}

