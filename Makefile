@@ -8,7 +8,7 @@ RECIPE ?= recipes/w8a8-int8.yaml
 TASKS ?= gsm8k_ppl
 LIMIT ?= 100
 
-.PHONY: setup demo test test-fast matrix docs
+.PHONY: setup demo test test-fast matrix docs benchmarks
 
 setup:
 	@$(UV) --version >/dev/null 2>&1 || python3 -m pip install --user --quiet uv
@@ -32,6 +32,13 @@ test-fast: setup
 matrix: setup
 	$(UV) run --locked --extra cpu qserve matrix --out docs/architectures.md
 
-# The CLI reference, from the commands' own --help (tests/test_cli.py fails when it is stale).
+# The CLI reference, from the commands' own --help, and the benchmarks page, from the recorded results
+# (tests/test_cli.py fails when either is stale).
 docs: setup
 	$(UV) run --locked --extra cpu python -m qserve.cli.reference > docs/cli.md
+	$(UV) run --locked --extra cpu python -m qserve.benchmarks_page docs > docs/benchmarks.md
+
+# qserve against the raw libraries on this machine, side by side; records the result in
+# docs/benchmarks/ and regenerates docs/benchmarks.md from every recorded machine.
+benchmarks: setup
+	$(UV) run --locked --extra cpu qserve bench --suite --work-dir .bench-suite --publish docs

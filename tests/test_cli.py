@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -75,6 +76,18 @@ def test_the_cli_reference_page_is_the_commands_own_help() -> None:
     for name in (None, "serve", "run", "quantize", "eval"):
         proc = run_qserve_in_process(*([name] if name else []), "--help", env={"COLUMNS": "80"})
         assert proc.returncode == 0 and f"```text\n{proc.stdout}```" in page
+
+
+def test_the_benchmarks_page_is_made_from_the_recorded_results() -> None:
+    """docs/benchmarks.md is what `python -m qserve.benchmarks_page docs` makes from docs/benchmarks/*.json,
+    and each recorded result shows its command, date, commit and machine."""
+    from qserve.benchmarks_page import RESULTS, page
+
+    text = (REPO / "docs" / "benchmarks.md").read_text()
+    assert text == page(REPO / "docs"), "docs/benchmarks.md is stale: make docs"
+    for path in sorted((REPO / "docs" / RESULTS).glob("*.json")):
+        m = json.loads(path.read_text())["machine"]
+        assert f"Produced by `qserve bench --suite` on {m['time'][:10]}, commit {m['commit']}, {m['cpu']}" in text
 
 
 def test_troubleshooting_is_keyed_by_error_lines_qserve_prints() -> None:

@@ -27,6 +27,7 @@ from qserve.cli._common import (
 )  # fmt: skip
 from qserve.device.passthrough import pass_through_help
 from qserve.errors import QserveError
+from qserve.progress import info
 
 
 @user_errors
@@ -93,6 +94,10 @@ def bench(
     work_dir: Annotated[Path, typer.Option(help="Scratch dir for --suite checkpoints and bench_suite.json.")] = Path(
         "bench-suite"
     ),
+    publish: Annotated[
+        Path | None,
+        typer.Option(help="With --suite: record the result as DIR/benchmarks/<machine>.json and rewrite DIR/benchmarks.md."),
+    ] = None,
     data_dir: DataDirOpt = None,
     as_json: JsonOpt = False,
     verbose: VerboseOpt = False,
@@ -104,6 +109,7 @@ def bench(
     Examples:
       qserve bench out-w8a8-int8 --num-prompts 16 --concurrency 2
       qserve bench --suite --work-dir /tmp/bench
+      qserve bench --suite --publish docs      (what `make benchmarks` runs)
     """
     if suite:
         from qserve.bench_suite import format_suite, run_suite
@@ -111,6 +117,10 @@ def bench(
 
         with library_output(work_dir / "logs" / "bench-suite.log", verbose):
             result = run_suite(project_data("recipes"), work_dir, data_dir)
+        if publish is not None:
+            from qserve.benchmarks_page import record
+
+            info(f"recorded {record(result, publish)}; {publish / 'benchmarks.md'} rewritten")
         typer.echo(json.dumps(result, indent=2) if as_json else format_suite(result))
         return
     if checkpoint is None:

@@ -76,6 +76,7 @@ def machine() -> dict[str, Any]:
     return {
         "cpus": os.cpu_count(),
         "cpu": cpu_fields().get("model name", "unknown"),
+        "isa": sorted(f for f in cpu_flags() if f.startswith(("amx", "avx512f", "avx512_bf16", "avx512_vnni", "avx2"))),
         "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
         "platform": platform.platform(),
         "python": platform.python_version(),
