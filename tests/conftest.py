@@ -312,10 +312,11 @@ class Server:
         """Start it; with wait=False the caller does other work while vLLM starts, then calls wait()."""
         self.ckpt, self.port = ckpt, free_port()
         env = {**shell_environment(), "QSERVE_API_KEY": API_KEY}
+        self.stderr = tempfile.TemporaryFile(mode="w+")  # qserve's steps and error line, for failures
         self.proc = subprocess.Popen(
             [*QSERVE, "serve", ckpt, "--port", str(self.port), *args],
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=self.stderr,
             text=True,
             env=env,
         )
@@ -331,6 +332,11 @@ class Server:
             self.ready_line = self.proc.stdout.readline()
             self.curl_line = self.proc.stdout.readline()
 
+    def steps(self) -> str:
+        """What qserve printed on stderr so far (its steps, its error line)."""
+        self.stderr.seek(0)
+        return self.stderr.read()
+
     def client(self, api_key: str = API_KEY, timeout: float = 120):
         from openai import OpenAI
 
@@ -345,6 +351,7 @@ class Server:
         if self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(timeout=GRACE_SECONDS + 30)
+        self.stderr.close()
 
 
 def gate_record(task: str = "gsm8k_ppl", items: int = 100, criteria: dict | None = None, status: str = "pass", **kw) -> dict:
@@ -364,8 +371,11 @@ ALLOWED_USES = {
     "prefix caching": ["--enable-prefix-caching"],
     "chunked prefill": ["--enable-chunked-prefill"],
     "tool calling (vLLM's built-in parsers)": ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
-    "reasoning (vLLM's built-in parsers)": ["--reasoning-parser", "deepseek_r1"],
-    "structured output": ["--structured-outputs-config", '{"backend": "xgrammar"}'],
+    # granite: a parser that finds its markers in the text; deepseek_r1 needs <think> tokens SmolLM2 lacks
+    "reasoning (vLLM's built-in parsers)": ["--reasoning-parser", "granite"],
+    # enable_in_reasoning: with a reasoning parser on, vLLM applies a grammar only after the reasoning
+    # ends (measured: the granite parser's text never ends it, and a json_schema answer came back as prose)
+    "structured output": ["--structured-outputs-config", '{"backend": "xgrammar", "enable_in_reasoning": true}'],
     "parallelism and placement": ["--tensor-parallel-size", "2"],
     "CORS": ["--allowed-origins", '["https://app.example"]', "--allow-credentials"],
     "TLS": ["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"],

@@ -229,7 +229,7 @@ def production_server(passed_eval, tmp_path_factory):
     work = tmp_path_factory.mktemp("production")
     key, cert = work / "key.pem", work / "cert.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
-                    "-days", "1", "-subj", "/CN=localhost"], check=True, capture_output=True)  # fmt: skip
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"], check=True, capture_output=True)  # fmt: skip
     # Each family's use from the plan tests, but TLS with a real certificate and one CPU process.
     families = ALLOWED_USES | {
         "TLS": ["--ssl-keyfile", str(key), "--ssl-certfile", str(cert)],
@@ -239,13 +239,14 @@ def production_server(passed_eval, tmp_path_factory):
     srv = Server(ckpt, "--", *[t for tokens in families.values() for t in tokens], wait=False)
     srv.families, srv.cert = families, cert
     deadline = time.monotonic() + 300
-    while not (ckpt / "logs" / "serve.log").exists():  # opened once the private copy passed the checks
-        assert srv.proc.poll() is None and time.monotonic() < deadline
+    while "> starting vLLM server" not in srv.steps():  # printed once the private copy passed the checks
+        assert srv.proc.poll() is None and time.monotonic() < deadline, srv.steps()[-3000:]
         time.sleep(0.1)
     garbage = ckpt / "model.safetensors.new"
     garbage.write_bytes(b"not a safetensors file")
     os.replace(garbage, ckpt / "model.safetensors")  # as an attacker would: one atomic rename
     srv.wait()
+    assert srv.ready_line, srv.steps()[-3000:]
     yield srv
     srv.close()
 
@@ -291,10 +292,10 @@ def test_every_allowed_family_works_on_a_real_server(production_server) -> None:
 def test_sigkill_of_a_ready_server_leaves_no_process_and_frees_the_port(production_server) -> None:
     """`kill -9` of qserve: no handler runs, yet the group's guard ends vLLM's whole process group
     (last in this module: it ends the shared server)."""
-    import socket
     import time
 
     from qserve.process import GRACE_SECONDS, group_members
+    from qserve.serve.server import ensure_port_free
 
     proc = production_server.proc
     children = [int(c) for c in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
@@ -307,5 +308,4 @@ def test_sigkill_of_a_ready_server_leaves_no_process_and_frees_the_port(producti
     while group_members(server) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert group_members(server) == []
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", production_server.port))  # free again
+    ensure_port_free("127.0.0.1", production_server.port)  # a new `qserve serve --port` may listen there

@@ -101,6 +101,14 @@ def test_agreeing_matched_flag_is_accepted_once(tmp_path: Path) -> None:
         (["--tool-parser-plugin", "p.py"], "--tool-parser-plugin cannot be passed to vLLM: a plugin runs code"),
         (["--reasoning-parser-plugin", "p.py"], "--reasoning-parser-plugin cannot be passed to vLLM: a plugin runs code"),
         (["--io-processor-plugin", "p"], "--io-processor-plugin cannot be passed to vLLM: a plugin runs code"),
+        (  # an allowed option's config object naming code to load, in either of vLLM's spellings
+            ["--structured-outputs-config", '{"backend": "xgrammar", "reasoning_parser_plugin": "p.py"}'],
+            "--structured-outputs-config with reasoning_parser_plugin cannot be passed to vLLM: a plugin runs code",
+        ),
+        (
+            ["--structured-outputs-config.reasoning_parser_plugin", "p.py"],
+            "--structured-outputs-config with reasoning_parser_plugin cannot be passed to vLLM: a plugin runs code",
+        ),
         (["--grpc"], "--grpc cannot be passed to vLLM: vLLM's gRPC server does not check the API key"),
         (["--disable-sliding-window"], "--disable-sliding-window cannot be passed to vLLM: qserve passes only"),
         (["--logprobs-mode", "raw_logits"], "--logprobs-mode cannot be passed to vLLM: qserve passes only"),

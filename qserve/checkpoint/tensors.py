@@ -54,6 +54,8 @@ def quantized_layer_bytes(ckpt: Path) -> dict[str, float]:
     layers in bf16, read from the safetensors headers."""
     tensors = tensor_headers(ckpt)
     quantized = {name.rsplit(".", 1)[0] for name in tensors if name.endswith(".weight_scale")}
+    if not quantized:
+        raise QserveError(f"{ckpt} holds no quantized layer (no *.weight_scale in its safetensors files)")
     stored = bf16 = 0
     for module in quantized:
         parts = {k: v for k, v in tensors.items() if k.rsplit(".", 1)[0] == module}

@@ -114,3 +114,6 @@ def _check_change(dest: str, value: Any, manifest: Manifest | None) -> None:
         )
     if dest not in ALLOWED:
         raise QserveError(f"{flag} cannot be passed to vLLM: {refused_because(dest)} (allowed: `qserve serve --help`)")
+    plugins = sorted(k for k, v in getattr(value, "__dict__", {}).items() if "plugin" in k and v)
+    if plugins:  # an allowed config object can still name code to load (structured outputs' reasoning_parser_plugin)
+        raise QserveError(f"{flag} with {', '.join(plugins)} cannot be passed to vLLM: {refused_because('plugin')}")

@@ -39,7 +39,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def ensure_port_free(host: str, port: int) -> None:
+    """Refuse a port another process listens on. SO_REUSEADDR as uvicorn sets it: connections of a
+    server that just stopped (TIME_WAIT) do not keep vLLM from listening, so they do not refuse it."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as exc:
