@@ -75,6 +75,12 @@ class Manifest(BaseModel):
     # 2:4-sparse recipes only: the structure, checked in the exported weights, and the zeros' share.
     sparsity: dict[str, Any] | None = None
 
+    @property
+    def quantized_experts(self) -> bool:
+        """A mixture of experts whose files store experts quantized (a manifest older than the
+        `quantized` record counts as quantized); experts kept in 16 bits are not."""
+        return self.experts is not None and bool(self.experts.get("quantized", True))
+
 
 def library_versions() -> dict[str, str]:
     out = {}

@@ -237,10 +237,8 @@ def support_for(method: str, scheme: str, kind: str, cpu_flags: frozenset[str] |
 
 def vllm_support(manifest: Manifest, kind: str) -> Support:
     """Whether vLLM runs this checkpoint's scheme on a device of `kind` ("cpu" or "cuda") here."""
-    # Experts kept in 16 bits run through vLLM's unquantized MoE kernel; a manifest older than the
-    # `quantized` record counts as quantized experts.
-    moe = manifest.experts is not None and manifest.experts.get("quantized", True)
-    return support_for(manifest.vllm_args.quantization or "none", manifest.scheme, kind, moe=moe)
+    # Experts kept in 16 bits run through vLLM's unquantized MoE kernel, like a dense model's layers.
+    return support_for(manifest.vllm_args.quantization or "none", manifest.scheme, kind, moe=manifest.quantized_experts)
 
 
 def check_dtype(manifest: Manifest, kind: str, detail: str) -> None:

@@ -203,8 +203,7 @@ def _unchecked_experts(cell: Cell, manifest: Any, engine: Distributions) -> None
     ran the cell, with finite log-probabilities, but nothing checked its answers: "unchecked", not pass."""
     import torch
 
-    quantized_experts = manifest.experts is not None and manifest.experts.get("quantized", True)
-    if not (quantized_experts and cell.reason.startswith("transformers cannot load")):
+    if not (manifest.quantized_experts and cell.reason.startswith("transformers cannot load")):
         return
     if all(bool(torch.isfinite(row.max(dim=-1).values).all()) for row in engine.logprobs):
         cell.status = "unchecked"
