@@ -8,7 +8,7 @@ RECIPE ?= recipes/w8a8-int8.yaml
 TASKS ?= gsm8k_ppl
 LIMIT ?= 100
 
-.PHONY: setup demo test test-fast matrix docs benchmarks
+.PHONY: setup demo test test-fast matrix docs benchmarks lint
 
 setup:
 	@$(UV) --version >/dev/null 2>&1 || python3 -m pip install --user --quiet uv
@@ -42,3 +42,8 @@ docs: setup
 # docs/benchmarks/ and regenerates docs/benchmarks.md from every recorded machine.
 benchmarks: setup
 	$(UV) run --locked --extra cpu qserve bench --suite --work-dir .bench-suite --publish docs
+
+# The linter and the formatter own the code's layout (a table laid out by hand says why, in `# fmt: off`).
+lint:
+	$(UV) tool run ruff@0.17.6 check qserve tests
+	$(UV) tool run ruff@0.17.6 format --check qserve tests

@@ -115,10 +115,16 @@ def _start_bars() -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         progress = Progress(
-            TextColumn("  {task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("ETA"),
-            TimeRemainingColumn(), console=Console(file=_out()), transient=True,
-            redirect_stdout=False, redirect_stderr=False,  # library output belongs to the log
-        )  # fmt: skip
+            TextColumn("  {task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=Console(file=_out()),
+            transient=True,
+            redirect_stdout=False,
+            redirect_stderr=False,  # library output belongs to the log
+        )
         progress.start()
         _bars["progress"], _bars["tasks"] = progress, {}
 

@@ -36,9 +36,15 @@ def reproduce(checkpoint: str | Path, data_dir: str | Path | None = None, keep: 
         out = keep or scratch / ckpt.resolve().name
         info(f"re-running {ckpt}'s recipe into {out}")
         again = quantize(
-            recipe, model=_recorded_model(manifest), output=out, data_dir=data_dir, force=keep is not None and keep.exists(),
-            trust_remote_code=manifest.vllm_args.trust_remote_code, remember=False, nproc=execution.get("nproc", 1),
-        ).manifest  # fmt: skip
+            recipe,
+            model=_recorded_model(manifest),
+            output=out,
+            data_dir=data_dir,
+            force=keep is not None and keep.exists(),
+            trust_remote_code=manifest.vllm_args.trust_remote_code,
+            remember=False,
+            nproc=execution.get("nproc", 1),
+        ).manifest
         return compare(ckpt, manifest, out, again)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

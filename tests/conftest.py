@@ -130,9 +130,15 @@ def llama_config(hidden: int, intermediate: int, layers: int, heads: int, kv_hea
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=49152, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, torch_dtype="bfloat16", **extra,
-    )  # fmt: skip
+        vocab_size=49152,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        torch_dtype="bfloat16",
+        **extra,
+    )
 
 
 def copy_tokenizer(tokenizer_dir: Path, directory: Path) -> None:
@@ -358,15 +364,37 @@ def gate_record(task: str = "gsm8k_ppl", items: int = 100, criteria: dict | None
     """A record's gate as `qserve eval` writes it: perplexity 10 -> 10.1, allowance from its criteria."""
     criteria = criteria or {"min_recovery": 0.95}
     allowed = 10.0 * (1 / criteria["min_recovery"] - 1) if "min_recovery" in criteria else 10.0 * criteria["max_increase"]
-    return {"task": task, "metric": "word_perplexity,none", "higher_is_better": False, "baseline": 10.0, "quantized": 10.1,
-            "baseline_stderr": None, "quantized_stderr": None, "recovery": 10 / 10.1, "degradation": 0.1, "degradation_stderr": 0.02,
-            "criteria": criteria, "allowed_degradation": allowed, "status": status, "reason": "r", "items": items, "signal": True} | kw  # fmt: skip
+    return {
+        "task": task,
+        "metric": "word_perplexity,none",
+        "higher_is_better": False,
+        "baseline": 10.0,
+        "quantized": 10.1,
+        "baseline_stderr": None,
+        "quantized_stderr": None,
+        "recovery": 10 / 10.1,
+        "degradation": 0.1,
+        "degradation_stderr": 0.02,
+        "criteria": criteria,
+        "allowed_degradation": allowed,
+        "status": status,
+        "reason": "r",
+        "items": items,
+        "signal": True,
+    } | kw
 
 
 # One real use of each allowed family (what production users of vLLM pass), as vLLM parses it.
 ALLOWED_USES = {
     "served model name": ["--served-model-name", "chat", "--response-role", "assistant"],
-    "context length and scheduling limits": ["--max-model-len", "1024", "--max-num-seqs", "4", "--max-num-batched-tokens", "2048"],
+    "context length and scheduling limits": [
+        "--max-model-len",
+        "1024",
+        "--max-num-seqs",
+        "4",
+        "--max-num-batched-tokens",
+        "2048",
+    ],
     "memory and capacity": ["--kv-cache-memory-bytes", "100000000"],
     "prefix caching": ["--enable-prefix-caching"],
     "chunked prefill": ["--enable-chunked-prefill"],

@@ -90,9 +90,18 @@ def _smoothed_kl(model_path: Path) -> float:
     ids = torch.tensor([tokenizer("Once upon a time, in a small village, there lived a").input_ids])
     with torch.no_grad():
         before = model(ids).logits.log_softmax(-1)
-    texts = ["The capital of France is Paris, a city of light. " * 4, "def f(n): return n if n < 2 else f(n - 1) + f(n - 2)\n" * 3]
+    texts = [
+        "The capital of France is Paris, a city of light. " * 4,
+        "def f(n): return n if n < 2 else f(n - 1) + f(n - 2)\n" * 3,
+    ]
     data = Dataset.from_dict({"input_ids": [tokenizer(t).input_ids[:64] for t in texts * 4]})
-    oneshot(model=model, dataset=data, recipe=[SmoothQuantModifier(smoothing_strength=0.8)], num_calibration_samples=8, max_seq_length=64)
+    oneshot(
+        model=model,
+        dataset=data,
+        recipe=[SmoothQuantModifier(smoothing_strength=0.8)],
+        num_calibration_samples=8,
+        max_seq_length=64,
+    )
     with torch.no_grad():
         after = model(ids).logits.log_softmax(-1)
     return float((before.exp() * (before - after)).sum(-1).mean())
@@ -111,8 +120,9 @@ def test_one_plus_weight_norms_are_found_by_running_them(tiny_models) -> None:
 
     found = {name: set(offset_norms(_skeleton(path, False)).values()) for name, path in tiny_models.items()}
     assert {name: classes for name, classes in found.items() if classes} == {
-        "gemma2": {"Gemma2RMSNorm"}, "gemma3_text": {"Gemma3RMSNorm"},
-    }  # fmt: skip
+        "gemma2": {"Gemma2RMSNorm"},
+        "gemma3_text": {"Gemma3RMSNorm"},
+    }
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3_text"])
@@ -136,8 +146,9 @@ def test_awq_on_gemma_smooths_only_between_linear_layers(tiny_models) -> None:
     kept, dropped = awq_mappings_for(_skeleton(tiny_models["gemma2"], False))
     assert dropped == ["re:.*input_layernorm$", "re:.*pre_feedforward_layernorm$"]
     assert [(m.smooth_layer, m.balance_layers) for m in kept] == [
-        ("re:.*v_proj$", ["re:.*o_proj$"]), ("re:.*up_proj$", ["re:.*down_proj$"]),
-    ]  # fmt: skip
+        ("re:.*v_proj$", ["re:.*o_proj$"]),
+        ("re:.*up_proj$", ["re:.*down_proj$"]),
+    ]
     assert awq_mappings_for(_skeleton(tiny_models["llama"], False)) == (None, [])
 
 
@@ -190,8 +201,9 @@ def test_the_matrix_lists_its_architectures_and_columns() -> None:
 def test_an_unknown_architecture_is_one_error_line(tmp_path) -> None:
     r = run_qserve_in_process("matrix", "--archs", "llama,gpt2", "--workdir", tmp_path)
     assert (r.returncode, r.stderr.splitlines()[-1]) == (
-        1, f"error: unknown architecture 'gpt2'; choose one of: {', '.join(ARCHITECTURES)}"
-    )  # fmt: skip
+        1,
+        f"error: unknown architecture 'gpt2'; choose one of: {', '.join(ARCHITECTURES)}",
+    )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -249,7 +261,12 @@ def test_the_kv_cache_effect_is_measured_where_both_runs_saw_the_same_tokens() -
     assert [t.shape[0] for t in cut_a.logprobs] == [2, 0]
     uniform = torch.full((4,), -torch.log(torch.tensor(4.0)))
     assert agreement(Distributions([[1]], [[5]], [uniform[None]]), Distributions([[1]], [[5]], [uniform[None]])).positions == 1
-    assert agreement(*common_prefix(Distributions([[1]], [[5]], [uniform[None]]), Distributions([[1]], [[6]], [uniform[None]]))).positions == 0
+    assert (
+        agreement(
+            *common_prefix(Distributions([[1]], [[5]], [uniform[None]]), Distributions([[1]], [[6]], [uniform[None]]))
+        ).positions
+        == 0
+    )
 
 
 PLAIN_FP8 = """name: plain-fp8
@@ -297,7 +314,9 @@ def test_fused_experts_are_filled_exactly_as_transformers_own_converter_fuses_th
     from qserve.device.in_transformers import _fill_unquantized_experts
 
     model = AutoModelForCausalLM.from_pretrained(tiny_models[arch], dtype=torch.float32)
-    fused = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    fused = {
+        n: p.detach().clone() for n, p in model.named_parameters() if n.endswith(("experts.gate_up_proj", "experts.down_proj"))
+    }
     assert len(fused) == 2 * 2  # two layers
     with torch.no_grad():
         for name in fused:
@@ -321,7 +340,11 @@ def test_a_weight_transformers_would_leave_at_random_init_is_an_error(tiny_model
     r = run_qserve_in_process("quantize", recipe, "--model", tiny_models["qwen3_moe"], "--output", out)
     assert r.returncode == 0, r.stderr
     manifest = read_manifest(out)
-    assert (manifest.scheme, manifest.vllm_args.quantization, manifest.vllm_args.kv_cache_dtype) == ("W8A8", "compressed-tensors", "auto")
+    assert (manifest.scheme, manifest.vllm_args.quantization, manifest.vllm_args.kv_cache_dtype) == (
+        "W8A8",
+        "compressed-tensors",
+        "auto",
+    )
     assert manifest.recipe["ignore"] == ["lm_head", "re:.*mlp\\.experts\\..*"]
     assert manifest.experts["quantized"] is False  # so qserve eval and serve use vLLM's unquantized MoE kernel
     config = json.loads((out / "config.json").read_text())["quantization_config"]
@@ -446,6 +469,6 @@ def test_transformers_builds_olmo2_after_vllm_ran_it_in_this_process(tiny_models
     path = tiny_models["olmo2"]
     with open_engine(path, VllmArgs(quantization=None, dtype="bfloat16"), detect_device(), "olmo2") as lm:
         assert lm.model.llm_engine.model_config.architectures == ["Olmo2ForCausalLM"]
-        (_, tokens), = greedy_completions(lm, ["The capital of France is"], max_tokens=4)
+        ((_, tokens),) = greedy_completions(lm, ["The capital of France is"], max_tokens=4)
     (logprobs,) = teacher_forced(path, [([1, 504, 3575, 282, 4649, 314], tokens)])
     assert logprobs.shape == (4, 49152) and bool(torch.isfinite(logprobs).all())

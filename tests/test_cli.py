@@ -28,7 +28,21 @@ def test_help_imports_nothing_heavy() -> None:
 
 @pytest.mark.parametrize(
     "cmd",
-    ["run", "quantize", "eval", "serve", "reproduce", "inspect", "sign", "compare", "bench", "doctor", "tune", "gate", "gate-levels"],
+    [
+        "run",
+        "quantize",
+        "eval",
+        "serve",
+        "reproduce",
+        "inspect",
+        "sign",
+        "compare",
+        "bench",
+        "doctor",
+        "tune",
+        "gate",
+        "gate-levels",
+    ],
 )
 def test_subcommand_help_teaches_with_examples(cmd: str) -> None:
     proc = run_qserve(cmd, "--help")

@@ -67,7 +67,9 @@ def test_compare_shares_one_cached_baseline_and_writes_table_plot_json(checkpoin
     # --refresh-baseline runs the baseline again although it is cached, gets the cached number, and
     # the same decision: W4A16 fails the recipe's gate beyond noise (exit 3).
     ckpt = out / "out-w4a16-gptq"
-    proc = run_qserve_in_process("eval", ckpt, *args[:4], "--no-parity", "--refresh-baseline", env={"QSERVE_CACHE_DIR": str(cache)})
+    proc = run_qserve_in_process(
+        "eval", ckpt, *args[:4], "--no-parity", "--refresh-baseline", env={"QSERVE_CACHE_DIR": str(cache)}
+    )
     assert proc.returncode == EXIT_GATE_FAILED, proc.stdout + proc.stderr[-3000:]
     assert "starting vLLM for the baseline" in proc.stderr
     refreshed = json.loads((ckpt / EVAL_NAME).read_text())

@@ -37,10 +37,14 @@ def test_the_demo_passes_with_margin_and_serves(demo_run: DemoRun) -> None:
     # Beside the verdict: the screening KL against the baseline, and which look at these weights this was.
     assert record["parity"]["kl_to_baseline"]["mean_nats"] > 0
     kl, look = record["parity"]["kl_to_baseline"], record["look"]
-    assert (f"screening (not a gate): mean KL(baseline || checkpoint) {kl['mean_nats']:.4f} nats per token "
-            f"over {kl['positions']} positions of the parity prompts") in demo_run.stdout  # fmt: skip
-    assert (f"look {look['number']} at these weights ({len(look['earlier'])} earlier gate runs): bounds one-sided "
-            f"{1 - look['level']:.2%}, so that all looks together pass a model at its allowance at most 5 % of the time") in demo_run.stdout  # fmt: skip
+    assert (
+        f"screening (not a gate): mean KL(baseline || checkpoint) {kl['mean_nats']:.4f} nats per token "
+        f"over {kl['positions']} positions of the parity prompts"
+    ) in demo_run.stdout
+    assert (
+        f"look {look['number']} at these weights ({len(look['earlier'])} earlier gate runs): bounds one-sided "
+        f"{1 - look['level']:.2%}, so that all looks together pass a model at its allowance at most 5 % of the time"
+    ) in demo_run.stdout
     assert re.fullmatch(r"serving out-w8a8-int8 at http://127\.0\.0\.1:\d+/v1", demo_run.stdout[-2])
 
 

@@ -194,18 +194,34 @@ def test_model_card_metadata_is_what_the_hub_reads(tmp_path: Path) -> None:
     from qserve.checkpoint.manifest import Manifest, VllmArgs
 
     manifest = Manifest(
-        created_at="t", scheme="W8A8", recipe={"name": "w8a8-int8"}, recipe_source={}, versions={}, timings={}, files={},
-        source_model={"id": "HuggingFaceTB/SmolLM2-135M-Instruct"}, calibration=None,
+        created_at="t",
+        scheme="W8A8",
+        recipe={"name": "w8a8-int8"},
+        recipe_source={},
+        versions={},
+        timings={},
+        files={},
+        source_model={"id": "HuggingFaceTB/SmolLM2-135M-Instruct"},
+        calibration=None,
         vllm_args=VllmArgs(quantization="compressed-tensors", kv_cache_dtype="auto", dtype="bfloat16"),
-    )  # fmt: skip
+    )
     summary = {"verdict": "pass", "decided_at": "d", "parity": {"status": "pass"}, "gates": [gate_record(items=100)]}
     card = ModelCard(model_card(tmp_path / "out-w8a8-int8", manifest, summary))
     data = card.data
-    assert (data.base_model, data.base_model_relation, data.library_name) == ("HuggingFaceTB/SmolLM2-135M-Instruct", "quantized", "transformers")
+    assert (data.base_model, data.base_model_relation, data.library_name) == (
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "quantized",
+        "transformers",
+    )
     assert data.tags == ["qserve", "quantized", "w8a8", "compressed-tensors", "llm-compressor", "vllm"]
     assert data.to_dict()["quantization"]["kv_cache_dtype"] == "auto"
     (result,) = data.eval_results
-    assert (result.task_type, result.dataset_type, result.metric_type, result.metric_value) == ("text-generation", "gsm8k_ppl", "word_perplexity", 10.1)
+    assert (result.task_type, result.dataset_type, result.metric_type, result.metric_value) == (
+        "text-generation",
+        "gsm8k_ppl",
+        "word_perplexity",
+        10.1,
+    )
     assert data.model_name == "out-w8a8-int8" and card.text.lstrip().startswith("# out-w8a8-int8")
     local = manifest.model_copy(update={"source_model": {"id": str(tmp_path)}})  # a local model: no base_model
     assert ModelCard(model_card(tmp_path / "x", local, None)).data.base_model is None

@@ -20,15 +20,69 @@ EXAMPLES = int(os.environ.get("QSERVE_FUZZ_EXAMPLES", "250"))  # more for a long
 TRIED: dict[str, int] = {}
 
 SHIPPED = [yaml.safe_load(p.read_text()) for p in sorted((REPO / "recipes").glob("*.yaml"))]
-WORDS = ["W8A8", "W4A16", "FP8_DYNAMIC", "NVFP4A16", "MXFP4", "gptq", "awq", "autoround", "llmcompressor", "quark",
-         "bfloat16", "float16", "lm_head", "re:.*mlp.*", "gsm8k", "gsm8k_ppl", "auto", "fp8", "offload", "-1", "1e309"]  # fmt: skip
+WORDS = [
+    "W8A8",
+    "W4A16",
+    "FP8_DYNAMIC",
+    "NVFP4A16",
+    "MXFP4",
+    "gptq",
+    "awq",
+    "autoround",
+    "llmcompressor",
+    "quark",
+    "bfloat16",
+    "float16",
+    "lm_head",
+    "re:.*mlp.*",
+    "gsm8k",
+    "gsm8k_ppl",
+    "auto",
+    "fp8",
+    "offload",
+    "-1",
+    "1e309",
+]
 scalars = st.one_of(
     st.none(), st.booleans(), st.integers(-(10**9), 10**9), st.floats(), st.text(max_size=16), st.sampled_from(WORDS)
 )
-values = st.recursive(scalars, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8) | st.sampled_from(WORDS), c, max_size=4), max_leaves=10)  # fmt: skip
-RECIPE_KEYS = ["name", "backend", "scheme", "algorithm", "algorithm_options", "group_size", "smoothquant", "sparsity",
-               "ignore", "overrides", "calibration", "kv_cache", "gates", "dtype", "execution", "modifiers"]  # fmt: skip
-CALIBRATION_KEYS = ["source", "path", "dataset", "split", "text", "messages", "generate", "weight", "mix", "samples", "seq_len", "seed"]
+values = st.recursive(
+    scalars,
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8) | st.sampled_from(WORDS), c, max_size=4),
+    max_leaves=10,
+)
+RECIPE_KEYS = [
+    "name",
+    "backend",
+    "scheme",
+    "algorithm",
+    "algorithm_options",
+    "group_size",
+    "smoothquant",
+    "sparsity",
+    "ignore",
+    "overrides",
+    "calibration",
+    "kv_cache",
+    "gates",
+    "dtype",
+    "execution",
+    "modifiers",
+]
+CALIBRATION_KEYS = [
+    "source",
+    "path",
+    "dataset",
+    "split",
+    "text",
+    "messages",
+    "generate",
+    "weight",
+    "mix",
+    "samples",
+    "seq_len",
+    "seed",
+]
 
 
 @st.composite
@@ -92,7 +146,9 @@ def test_fuzzed_gate_specs_end_in_one_error_line(work: Path, specs: list[str]) -
     TRIED["gate specs"] = TRIED.get("gate specs", 0) + 1
     out = work / "out"
     gates = [t for spec in specs for t in ("--gate", spec)]
-    proc = run_qserve_in_process("run", REPO / "recipes" / "w8a8-int8.yaml", "--model", work / "empty-model", "--output", out, *gates)
+    proc = run_qserve_in_process(
+        "run", REPO / "recipes" / "w8a8-int8.yaml", "--model", work / "empty-model", "--output", out, *gates
+    )
     _assert_one_error_and_nothing_written(proc, out)
 
 
@@ -106,10 +162,14 @@ def _vllm_flags() -> list[str]:
 @given(data=st.data())
 def test_fuzzed_pass_through_arguments_end_in_one_error_line(work: Path, data) -> None:
     TRIED["pass-through argument lists"] = TRIED.get("pass-through argument lists", 0) + 1
-    token = st.one_of(st.sampled_from(_vllm_flags()), st.text(max_size=12), st.sampled_from(["1", "0", "true", "auto", "fp8", "{}", "[]"]))
+    token = st.one_of(
+        st.sampled_from(_vllm_flags()), st.text(max_size=12), st.sampled_from(["1", "0", "true", "auto", "fp8", "{}", "[]"])
+    )
     tokens = data.draw(st.lists(token, min_size=1, max_size=6))
     out = work / "out"
-    proc = run_qserve_in_process("run", REPO / "recipes" / "w8a8-int8.yaml", "--model", work / "empty-model", "--output", out, "--", *tokens)
+    proc = run_qserve_in_process(
+        "run", REPO / "recipes" / "w8a8-int8.yaml", "--model", work / "empty-model", "--output", out, "--", *tokens
+    )
     _assert_one_error_and_nothing_written(proc, out)
 
 

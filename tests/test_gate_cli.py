@@ -26,10 +26,14 @@ def _run(root: Path, name: str, lls: list[float], words: list[int], exact: list[
     results = {
         "results": {
             "ppl_task": {"alias": "ppl_task", "word_perplexity,none": ppl, "word_perplexity_stderr,none": "N/A"},
-            "qa_task": {"alias": "qa_task", "exact_match,strict-match": sum(exact) / len(exact), "exact_match_stderr,strict-match": 0.03},
+            "qa_task": {
+                "alias": "qa_task",
+                "exact_match,strict-match": sum(exact) / len(exact),
+                "exact_match_stderr,strict-match": 0.03,
+            },
         },
         "higher_is_better": {"ppl_task": {"word_perplexity": False}, "qa_task": {"exact_match": True}},
-    }  # fmt: skip
+    }
     (folder / "results_2026-11-24T10-00-00.json").write_text(json.dumps(results))
     ppl_lines = [{"doc_id": i, "filter": "none", "word_perplexity": [ll, w]} for i, (ll, w) in enumerate(zip(lls, words))]
     qa_lines = [{"doc_id": i, "filter": "strict-match", "exact_match": v} for i, v in enumerate(exact)]

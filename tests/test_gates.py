@@ -176,7 +176,10 @@ def test_nan_scores_fail_with_a_line_not_a_traceback() -> None:
     quant["3"] = [float("nan"), quant["3"][1]]
     cmp = compare("word_perplexity,none", False, (_ppl(base), None, base), (float("nan"), None, quant))
     gate = decide("p", GateSpec(max_increase=0.05), cmp)
-    assert (gate.status, gate.reason) == ("fail", "word_perplexity,none is not a finite number (some items): the scores cannot be compared")
+    assert (gate.status, gate.reason) == (
+        "fail",
+        "word_perplexity,none is not a finite number (some items): the scores cannot be compared",
+    )
     inf = decide("p", GateSpec(max_increase=0.05), _cmp(10.0, float("inf"), hib=False))
     assert inf.status == "fail" and "not a finite number (the baseline 10, the quantized model inf)" in inf.reason
 

@@ -36,11 +36,20 @@ def write_tiny_moe(directory: Path, tokenizer_dir: Path) -> Path:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(
-        vocab_size=49152, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
-        num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        num_experts=EXPERTS, num_experts_per_tok=PER_TOKEN, max_position_embeddings=2048,
-        tie_word_embeddings=True, torch_dtype="bfloat16",
-    )  # fmt: skip
+        vocab_size=49152,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=EXPERTS,
+        num_experts_per_tok=PER_TOKEN,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        torch_dtype="bfloat16",
+    )
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(config)
     with torch.no_grad():
@@ -145,7 +154,9 @@ def test_moe_checkpoint_is_evaluated_emulated_and_refused_by_serve(moe_ckpt) -> 
     summary = json.loads(proc.stdout)
     assert (summary["verdict"], summary["emulated"], summary["engine"]) == ("inconclusive", True, "transformers")
     (decided,) = summary["gates"]
-    assert decided["items_needed"] == min_items(summary["look"]["level"]) and "3 items are too few for a pass" in decided["reason"]
+    assert (
+        decided["items_needed"] == min_items(summary["look"]["level"]) and "3 items are too few for a pass" in decided["reason"]
+    )
     assert math.isfinite(decided["bounds"]["upper"]) and decided["bounds"]["upper"] < 1e6
     claim = support.vllm_support(read_manifest(moe_ckpt), "cpu")
     assert summary["vllm_support"]["evidence"] == claim.evidence and not claim.runs

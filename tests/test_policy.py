@@ -26,12 +26,25 @@ def _checkpoint(root: Path, gates: list[dict]) -> Path:
     ckpt.mkdir()
     (ckpt / "model.safetensors").write_bytes(b"weights")
     manifest = Manifest(
-        created_at="t", scheme="W8A8", recipe=RECIPE, recipe_source={}, source_model={"id": "m"}, calibration=None, versions={},
-        vllm_args=VllmArgs(quantization="compressed-tensors"), timings={}, files=hash_files(ckpt),
-    )  # fmt: skip
+        created_at="t",
+        scheme="W8A8",
+        recipe=RECIPE,
+        recipe_source={},
+        source_model={"id": "m"},
+        calibration=None,
+        versions={},
+        vllm_args=VllmArgs(quantization="compressed-tensors"),
+        timings={},
+        files=hash_files(ckpt),
+    )
     write_manifest(ckpt, manifest)
-    record = {"verdict": "pass", "manifest_sha256": manifest_digest(ckpt), "decided_at": "2026-11-24T00:00:00+00:00",
-              "gates": gates, "parity": {"status": "pass"}}  # fmt: skip
+    record = {
+        "verdict": "pass",
+        "manifest_sha256": manifest_digest(ckpt),
+        "decided_at": "2026-11-24T00:00:00+00:00",
+        "gates": gates,
+        "parity": {"status": "pass"},
+    }
     (ckpt / EVAL_NAME).write_text(json.dumps(record))
     return ckpt
 
@@ -46,14 +59,20 @@ def test_a_record_that_meets_the_recipe_has_no_difference() -> None:
 @pytest.mark.parametrize(
     ("gates", "expected"),
     [
-        ([_gate(criteria={"max_increase": 1.0})], "gsm8k_ppl word_perplexity,none was gated at {'max_increase': 1.0}, looser than the policy's {'min_recovery': 0.95}"),
+        (
+            [_gate(criteria={"max_increase": 1.0})],
+            "gsm8k_ppl word_perplexity,none was gated at {'max_increase': 1.0}, looser than the policy's {'min_recovery': 0.95}",
+        ),
         ([_gate(items=20)], f"gsm8k_ppl word_perplexity,none passed on 20 items, below the policy's minimum of {MIN_ITEMS}"),
         ([_gate(status="inconclusive")], "gsm8k_ppl word_perplexity,none did not pass (inconclusive)"),
         ([_gate("arc_easy")], "no gate on any task the policy names (gsm8k_ppl, gsm8k)"),
         # The criteria say 0.95, the stated allowance was edited to +100 %: the looser of the two counts.
-        ([_gate(allowed_degradation=10.0)], "gsm8k_ppl word_perplexity,none was gated at {'min_recovery': 0.95}, looser than the policy's {'min_recovery': 0.95}"),
+        (
+            [_gate(allowed_degradation=10.0)],
+            "gsm8k_ppl word_perplexity,none was gated at {'min_recovery': 0.95}, looser than the policy's {'min_recovery': 0.95}",
+        ),
     ],
-)  # fmt: skip
+)
 def test_each_shortfall_is_named(gates: list[dict], expected: str) -> None:
     assert differences({"gates": gates}, recipe_policy(RECIPE)) == [expected]
 
@@ -62,7 +81,9 @@ def test_an_operator_policy_file(tmp_path: Path) -> None:
     path = tmp_path / "policy.yaml"
     path.write_text("gates:\n  gsm8k_ppl: {max_increase: 0.02}\n  gsm8k: 0.95\nmin_items: 200\nrequire_all_tasks: true\n")
     policy = read_policy(path)
-    assert policy == Policy(gates={"gsm8k_ppl": {"max_increase": 0.02}, "gsm8k": 0.95}, min_items=200, require_all_tasks=True, source=str(path))
+    assert policy == Policy(
+        gates={"gsm8k_ppl": {"max_increase": 0.02}, "gsm8k": 0.95}, min_items=200, require_all_tasks=True, source=str(path)
+    )
     assert differences({"gates": [_gate()]}, policy) == [
         "gsm8k_ppl word_perplexity,none passed on 100 items, below the policy's minimum of 200",
         "no gate on gsm8k (the policy requires {'min_recovery': 0.95})",
@@ -90,9 +111,16 @@ def test_sign_refuses_a_looser_gate_and_records_an_accepted_difference(tmp_path:
     assert _sign(ckpt, "--accept-gate-difference")[0] == 0
     record = json.loads((ckpt / EVAL_NAME).read_text())
     assert record["waivers"] == [
-        {"accepted_by": "sign", "policy": "recipe r", "differences": [f"gsm8k_ppl word_perplexity,none passed on 20 items, below the policy's minimum of {MIN_ITEMS}"]}
-    ]  # fmt: skip
-    assert "**Gate below its policy, accepted by the operator** (`qserve sign --accept-gate-difference`" in (ckpt / CARD_NAME).read_text()
+        {
+            "accepted_by": "sign",
+            "policy": "recipe r",
+            "differences": [f"gsm8k_ppl word_perplexity,none passed on 20 items, below the policy's minimum of {MIN_ITEMS}"],
+        }
+    ]
+    assert (
+        "**Gate below its policy, accepted by the operator** (`qserve sign --accept-gate-difference`"
+        in (ckpt / CARD_NAME).read_text()
+    )
 
 
 def test_a_tune_search_record_is_no_gate(tmp_path: Path) -> None:

@@ -298,9 +298,17 @@ def test_every_file_but_qserves_records_is_hashed_and_checked(tmp_path: Path) ->
         "sub/extra.pt",
     ]
     manifest = Manifest(
-        created_at="t", scheme="W8A8", recipe={}, recipe_source={}, source_model={}, calibration=None, versions={},
-        vllm_args=VllmArgs(quantization=None), timings={}, files=files,
-    )  # fmt: skip
+        created_at="t",
+        scheme="W8A8",
+        recipe={},
+        recipe_source={},
+        source_model={},
+        calibration=None,
+        versions={},
+        vllm_args=VllmArgs(quantization=None),
+        timings={},
+        files=files,
+    )
     write_manifest(ckpt, manifest)
     # qserve's own records may come and go: the model card, eval records, logs, a crashed write's temp file.
     for record in (
@@ -395,11 +403,13 @@ def test_the_checkpoints_recipe_is_plain_yaml_and_no_tag_runs_code(tmp_path: Pat
     (tmp_path / "recipe.yaml").write_text(TAGGED_RECIPE)
     make_plain(tmp_path)  # os.system is never called: a one-argument apply reads as its argument
     assert yaml.safe_load((tmp_path / "recipe.yaml").read_text()) == {
-        "default_stage": {"default_modifiers": {
-            "SmoothQuantModifier": {"mappings": [[["re:.*q_proj", "re:.*k_proj"], "re:.*input_layernorm"]]},
-            "GPTQModifier": {"actorder": "static", "evil": "echo pwned"},  # the sentinel left out: the default applies
-        }}
-    }  # fmt: skip
+        "default_stage": {
+            "default_modifiers": {
+                "SmoothQuantModifier": {"mappings": [[["re:.*q_proj", "re:.*k_proj"], "re:.*input_layernorm"]]},
+                "GPTQModifier": {"actorder": "static", "evil": "echo pwned"},  # the sentinel left out: the default applies
+            }
+        }
+    }
 
 
 # llm-compressor alone, on the checkpoint's own recipe.yaml and qserve's calibration texts.
@@ -432,12 +442,17 @@ def test_raw_llm_compressor_rerun_of_the_checkpoints_recipe_gives_the_same_weigh
 
     ckpt = checkpoints["w8a8-int8"]
     recipe_file = ckpt / "recipe.yaml"
-    assert "!!python" not in recipe_file.read_text() and "SmoothQuantModifier" in yaml.safe_load(recipe_file.read_text())["default_stage"]["default_modifiers"]
+    assert (
+        "!!python" not in recipe_file.read_text()
+        and "SmoothQuantModifier" in yaml.safe_load(recipe_file.read_text())["default_stage"]["default_modifiers"]
+    )
     recipe = with_default_calibration(load_recipe(checkpoints.recipe("w8a8-int8"))[0])
     texts, record = load_texts(recipe.calibration, data_dir(), embedded_model_dir)
     assert record["content_sha256"] == read_manifest(ckpt).calibration["content_sha256"]  # the data qserve used
     (tmp_path / "texts.json").write_text(json.dumps(texts))
     args = [embedded_model_dir, tmp_path / "texts.json", recipe.seq_len, recipe_file, tmp_path / "raw"]
-    proc = subprocess.run([*QSERVE[:1], "-c", RAW_ONESHOT_FROM_FILE, *map(str, args)], capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(
+        [*QSERVE[:1], "-c", RAW_ONESHOT_FROM_FILE, *map(str, args)], capture_output=True, text=True, timeout=1800
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sha256_file(tmp_path / "raw" / "model.safetensors") == read_manifest(ckpt).files["model.safetensors"]

@@ -87,6 +87,29 @@ def test_unknown_backend_lists_choices() -> None:
     assert str(e.value).startswith("r.yaml:2: backend: Input should be 'llmcompressor' or 'quark'")
 
 
+def test_every_registered_backend_implements_the_runner_interface_and_names_its_schemes() -> None:
+    import inspect
+
+    from qserve.checkpoint.backends import BACKENDS
+    from qserve.checkpoint.schemes import SCHEMES
+    from qserve.quantize.backends import BackendRunner, runner
+
+    wanted = {name: inspect.signature(getattr(BackendRunner, name)) for name in ("quantize", "exported_scheme")}
+    for name in BACKENDS:
+        module = runner(name)
+        # the module's functions take the Protocol's parameters (the Protocol's `self` aside)
+        got = {f: list(inspect.signature(getattr(module, f)).parameters) for f in wanted}
+        assert got == {f: list(sig.parameters)[1:] for f, sig in wanted.items()}, name
+    assert {b for s in SCHEMES.values() for b in s.backends} == set(BACKENDS)
+
+
+def test_a_backend_registered_twice_is_refused() -> None:
+    from qserve.checkpoint.backends import BACKENDS, register_backend
+
+    with pytest.raises(ValueError, match="^backend 'quark' is registered twice$"):
+        register_backend(BACKENDS["quark"])
+
+
 def test_quark_takes_no_llmcompressor_algorithms() -> None:
     with pytest.raises(QserveError, match="with backend quark, qserve runs Quark's plain"):
         parse_recipe("name: t\nbackend: quark\nscheme: FP8\nalgorithm: gptq\ncalibration: {source: gsm8k-train}\n")

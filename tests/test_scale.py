@@ -26,17 +26,35 @@ from qserve.quantize.recipe import parse_recipe
 def test_torchrun_command_single_node() -> None:
     cmd = distributed.torchrun_command(Path("/s/job.json"), 8)
     assert cmd == [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8", "--standalone",
-        "-m", "qserve.quantize.distributed", "/s/job.json",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "8",
+        "--standalone",
+        "-m",
+        "qserve.quantize.distributed",
+        "/s/job.json",
+    ]
 
 
 def test_torchrun_command_for_each_node() -> None:
     cmd = distributed.torchrun_command(Path("/s/job.json"), 8, nnodes=2, node_rank=1, rdzv_endpoint="node0:29500")
     assert cmd[3:] == [
-        "--nproc-per-node", "8", "--nnodes", "2", "--node-rank", "1", "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", "node0:29500", "-m", "qserve.quantize.distributed", "/s/job.json",
-    ]  # fmt: skip
+        "--nproc-per-node",
+        "8",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "node0:29500",
+        "-m",
+        "qserve.quantize.distributed",
+        "/s/job.json",
+    ]
     with pytest.raises(QserveError, match=r"^--nnodes above 1 needs --rdzv-endpoint HOST:PORT"):
         distributed.torchrun_command(Path("/s/job.json"), 8, nnodes=2)
 
@@ -127,10 +145,14 @@ def _write_synthetic_llama(directory: Path, tokenizer_dir: Path, hidden: int, in
     h, f = config.hidden_size, config.intermediate_size
     kv = config.num_key_value_heads * h // config.num_attention_heads
     per_layer = {
-        "self_attn.q_proj.weight": (h, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
-        "self_attn.o_proj.weight": (h, h), "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h),
+        "self_attn.q_proj.weight": (h, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, h),
+        "mlp.gate_proj.weight": (f, h),
+        "mlp.up_proj.weight": (f, h),
         "mlp.down_proj.weight": (h, f),
-    }  # fmt: skip
+    }
     groups = [{"model.embed_tokens.weight": (config.vocab_size, h)}]
     for start in range(0, layers, 4):
         group = {}

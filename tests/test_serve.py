@@ -228,8 +228,28 @@ def production_server(passed_eval, tmp_path_factory):
 
     work = tmp_path_factory.mktemp("production")
     key, cert = work / "key.pem", work / "cert.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
-                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"], check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            key,
+            "-out",
+            cert,
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+        ],
+        check=True,
+        capture_output=True,
+    )
     # Each family's use from the plan tests, but TLS with a real certificate and one CPU process.
     families = ALLOWED_USES | {
         "TLS": ["--ssl-keyfile", str(key), "--ssl-certfile", str(cert)],
@@ -274,15 +294,21 @@ def test_every_allowed_family_works_on_a_real_server(production_server) -> None:
     base = f"https://127.0.0.1:{srv.port}"
     client = OpenAI(base_url=f"{base}/v1", api_key=API_KEY, http_client=httpx.Client(verify=cert), max_retries=0)
     chat = [{"role": "user", "content": "What is 2 + 2?"}]
-    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}
+    tool = {
+        "type": "function",
+        "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+    }
     answer = client.chat.completions.create(model="chat", messages=chat, tools=[tool], tool_choice="auto", max_tokens=16)
     assert answer.choices[0].message.role == "assistant"
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
     fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
     shaped = client.chat.completions.create(model="chat", messages=chat, response_format=fmt, max_tokens=24, temperature=0)
     assert (shaped.choices[0].message.content or "").lstrip().startswith("{")  # constrained to the schema's object
-    preflight = httpx.options(f"{base}/v1/chat/completions", verify=cert, headers={
-        "Origin": "https://app.example", "Access-Control-Request-Method": "POST"})  # fmt: skip
+    preflight = httpx.options(
+        f"{base}/v1/chat/completions",
+        verify=cert,
+        headers={"Origin": "https://app.example", "Access-Control-Request-Method": "POST"},
+    )
     assert preflight.headers.get("access-control-allow-origin") == "https://app.example"
     with pytest.raises(httpx.TransportError):  # no HTTP answer without TLS
         httpx.get(f"http://127.0.0.1:{srv.port}/health", timeout=5)

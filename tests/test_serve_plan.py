@@ -165,9 +165,17 @@ def test_only_allowed_environment_reaches_vllm() -> None:
     from qserve.device.passthrough import served_environment
 
     env = served_environment(
-        {"PATH": "/bin", "LC_ALL": "C", "OMP_NUM_THREADS": "2", "VLLM_LOGGING_LEVEL": "DEBUG",
-         "VLLM_API_KEY": "inherited", "LD_PRELOAD": "/tmp/evil.so", "PYTHONSTARTUP": "x.py", "TORCH_LOGS": "+all"}
-    )  # fmt: skip
+        {
+            "PATH": "/bin",
+            "LC_ALL": "C",
+            "OMP_NUM_THREADS": "2",
+            "VLLM_LOGGING_LEVEL": "DEBUG",
+            "VLLM_API_KEY": "inherited",
+            "LD_PRELOAD": "/tmp/evil.so",
+            "PYTHONSTARTUP": "x.py",
+            "TORCH_LOGS": "+all",
+        }
+    )
     assert env == {"PATH": "/bin", "LC_ALL": "C", "OMP_NUM_THREADS": "2", "VLLM_LOGGING_LEVEL": "DEBUG"}
     for name in ("VLLM_SERVER_DEV_MODE", "VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_ATTENTION_BACKEND"):
         with pytest.raises(QserveError) as e:

@@ -23,12 +23,24 @@ def _gated_checkpoint(root: Path, verdict: str = "pass") -> Path:
     (ckpt / "model.safetensors").write_bytes(b"weights")
     (ckpt / "config.json").write_text("{}")
     manifest = Manifest(
-        created_at="t", scheme="W8A8", recipe={}, recipe_source={}, source_model={}, calibration=None, versions={},
-        vllm_args=VllmArgs(quantization="compressed-tensors"), timings={}, files=hash_files(ckpt),
-    )  # fmt: skip
+        created_at="t",
+        scheme="W8A8",
+        recipe={},
+        recipe_source={},
+        source_model={},
+        calibration=None,
+        versions={},
+        vllm_args=VllmArgs(quantization="compressed-tensors"),
+        timings={},
+        files=hash_files(ckpt),
+    )
     write_manifest(ckpt, manifest)
-    record = {"verdict": verdict, "manifest_sha256": manifest_digest(ckpt), "decided_at": "2026-11-22T00:00:00+00:00",
-              "gates": [gate_record("gsm8k")]}  # fmt: skip
+    record = {
+        "verdict": verdict,
+        "manifest_sha256": manifest_digest(ckpt),
+        "decided_at": "2026-11-22T00:00:00+00:00",
+        "gates": [gate_record("gsm8k")],
+    }
     (ckpt / EVAL_NAME).write_text(json.dumps(record))
     return ckpt
 

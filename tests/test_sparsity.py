@@ -19,13 +19,19 @@ SPARSE = "name: s\nscheme: W8A8\nsparsity: '2:4'\ncalibration: {path: gsm8k/trai
 @pytest.mark.parametrize(
     ("change", "error"),
     [
-        (("scheme: W8A8\n", "scheme: W8A8\nalgorithm: gptq\n"), "sparsity 2:4 is quantized with rtn, which keeps the pruned zeros; drop algorithm gptq"),
+        (
+            ("scheme: W8A8\n", "scheme: W8A8\nalgorithm: gptq\n"),
+            "sparsity 2:4 is quantized with rtn, which keeps the pruned zeros; drop algorithm gptq",
+        ),
         (("scheme: W8A8", "scheme: W4A16"), "sparsity 2:4 is offered with 8-bit weights (FP8 or INT8 schemes), not W4A16"),
-        (("scheme: W8A8", "scheme: FP8\nbackend: quark"), "sparsity 2:4 is llm-compressor's SparseGPT; it needs backend: llmcompressor"),
+        (
+            ("scheme: W8A8", "scheme: FP8\nbackend: quark"),
+            "sparsity 2:4 is llm-compressor's SparseGPT; it needs backend: llmcompressor",
+        ),
         (("calibration: {path: gsm8k/train.jsonl}\n", ""), "sparsity 2:4 (SparseGPT) need a calibration section"),
         (("'2:4'", "'1:4'"), "Input should be '2:4'"),
     ],
-)  # fmt: skip
+)
 def test_sparsity_mistakes_are_one_line(change: tuple[str, str], error: str) -> None:
     with pytest.raises(QserveError) as e:
         parse_recipe(SPARSE.replace(*change), "r.yaml")
@@ -71,9 +77,12 @@ def test_vllm_refuses_a_sparsity_config(checkpoints, tmp_path: Path) -> None:
     ckpt = shutil.copytree(checkpoints["w8a8-int8-2of4"], tmp_path / "with-sparsity-config")
     config = json.loads((ckpt / "config.json").read_text())
     config["quantization_config"]["sparsity_config"] = {
-        "format": "sparse-24-bitmask", "sparsity_structure": "2:4", "global_sparsity": 0.5,
-        "targets": ["Linear"], "ignore": ["lm_head"],
-    }  # fmt: skip
+        "format": "sparse-24-bitmask",
+        "sparsity_structure": "2:4",
+        "global_sparsity": 0.5,
+        "targets": ["Linear"],
+        "ignore": ["lm_head"],
+    }
     (ckpt / "config.json").write_text(json.dumps(config))
     with pytest.raises(DeprecationWarning) as e:
         with engine.open_engine(ckpt, read_manifest(ckpt).vllm_args, detect.detect_device(), ckpt.name):

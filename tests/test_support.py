@@ -176,8 +176,16 @@ def test_eval_checks_the_fp8_kv_scales_arrived(checkpoints) -> None:
     # 3 documents and an allowance no difference reaches: the gate can only be inconclusive (exit 4, too
     # few items for a pass), so the KV check decides on its own.
     proc = run_qserve_in_process(
-        "eval", ckpt, "--tasks", "gsm8k_ppl", "--limit", "3", "--kv-cache-dtype", "fp8",
-        "--gate", "gsm8k_ppl:max_increase=1000",
+        "eval",
+        ckpt,
+        "--tasks",
+        "gsm8k_ppl",
+        "--limit",
+        "3",
+        "--kv-cache-dtype",
+        "fp8",
+        "--gate",
+        "gsm8k_ppl:max_increase=1000",
     )
     assert proc.returncode == EXIT_GATE_INCONCLUSIVE, proc.stdout[-2000:] + proc.stderr[-2000:]
     summary = json.loads((ckpt / "qserve_eval.json").read_text())
@@ -236,9 +244,16 @@ def test_compare_table_and_plot_label_emulated_rows(tmp_path: Path) -> None:
     base = {"model": "m", "dtype": "float32", "bf16_size_bytes": 2**28, "decode_tokens_per_second": 300.0}
     gate = {"task": "gsm8k_ppl", "metric": "word_perplexity,none", "recovery": 0.1, "degradation": 9.0, "status": "fail"}
     row = {
-        "recipe": "mxfp4", "scheme": "MXFP4", "verdict": "fail", "emulated": True, "gates": [gate], "parity": "skipped",
-        "size_bytes": 2**27, "size_vs_bf16": 0.5, "decode_tokens_per_second": None,
-    }  # fmt: skip
+        "recipe": "mxfp4",
+        "scheme": "MXFP4",
+        "verdict": "fail",
+        "emulated": True,
+        "gates": [gate],
+        "parity": "skipped",
+        "size_bytes": 2**27,
+        "size_vs_bf16": 0.5,
+        "decode_tokens_per_second": None,
+    }
     result = {"baseline": base, "recipes": [row], "files": {"plot": "p.png", "json": "c.json"}}
     line = format_compare(result).splitlines()[3]
     assert "FAIL (emulated)" in line and line.split()[-2:] == ["n/a", "n/a"]  # no serving speed to show

@@ -108,8 +108,9 @@ def test_tune_finds_a_smaller_mix_that_passes_in_vllm_and_its_recipe_remakes_it(
     and recipes/smollm2-tuned.yaml, plainly quantized, must re-make its weights bit for bit (so the
     shipped recipe's checkpoint is the one that passed)."""
     out = tmp_path / "tune"
-    proc = run_qserve_in_process("tune", REPO / DEMO_RECIPE, "--tasks", "gsm8k_ppl", "--limit", str(TUNED_LIMIT),
-                                 "--max-candidates", "1", "--out-dir", out)  # fmt: skip
+    proc = run_qserve_in_process(
+        "tune", REPO / DEMO_RECIPE, "--tasks", "gsm8k_ppl", "--limit", str(TUNED_LIMIT), "--max-candidates", "1", "--out-dir", out
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     result = json.loads((out / "pareto.json").read_text())
     sens = json.loads((out / "sensitivity.json").read_text())
@@ -124,14 +125,27 @@ def test_tune_finds_a_smaller_mix_that_passes_in_vllm_and_its_recipe_remakes_it(
     record = json.loads((Path(winner["checkpoint"]) / "qserve_eval.json").read_text())
     gate = record["gates"][0]
     assert (record["verdict"], record["engine"], record["parity"]["status"]) == ("pass", "vllm", "pass")
-    assert (record["purpose"], record["offset"], record["limit"], gate["items"]) == ("gate", TUNED_LIMIT, TUNED_LIMIT, TUNED_LIMIT)
-    assert result["confirmation"] == {"verdict": "pass", "recovery": gate["recovery"], "bounds": gate["bounds"],
-                                      "items": f"{TUNED_LIMIT}-{2 * TUNED_LIMIT - 1}", "look": record["look"]["number"]}  # fmt: skip
+    assert (record["purpose"], record["offset"], record["limit"], gate["items"]) == (
+        "gate",
+        TUNED_LIMIT,
+        TUNED_LIMIT,
+        TUNED_LIMIT,
+    )
+    assert result["confirmation"] == {
+        "verdict": "pass",
+        "recovery": gate["recovery"],
+        "bounds": gate["bounds"],
+        "items": f"{TUNED_LIMIT}-{2 * TUNED_LIMIT - 1}",
+        "look": record["look"]["number"],
+    }
     assert record["parity"]["tolerance"]["max_mean_abs_logprob_diff"] == 0.35  # INT8 activations: the looser bound
     assert gate["bounds"]["upper"] < gate["bounds"]["allowed"] and gate["criteria"] == {"min_recovery": 0.95}
     assert gate["test"] == f"paired t on {TUNED_LIMIT} documents' linearized terms"
     assert f"recovery {winner['recovery']:.4f}, PASS" in proc.stdout
-    assert f"confirmation on held-out items {TUNED_LIMIT}-{2 * TUNED_LIMIT - 1}: PASS, recovery {gate['recovery']:.4f}" in proc.stdout
+    assert (
+        f"confirmation on held-out items {TUNED_LIMIT}-{2 * TUNED_LIMIT - 1}: PASS, recovery {gate['recovery']:.4f}"
+        in proc.stdout
+    )
     # Smaller than uniform W8A8, measured independently from both checkpoints' safetensors headers.
     mixed, w8a8 = quantized_layer_bytes(Path(winner["checkpoint"])), quantized_layer_bytes(passed_eval[0])
     assert mixed["layers"] == w8a8["layers"] == 210 and mixed["ratio"] < w8a8["ratio"]
@@ -160,15 +174,21 @@ def test_tune_finds_a_smaller_mix_that_passes_in_vllm_and_its_recipe_remakes_it(
     ("args", "message"),
     [
         (["recipes/fp8.yaml"], "error: no per-layer mix with FP8_DYNAMIC is known to run in vLLM on this device"),
-        (["recipes/w8a8-int8.yaml", "--with", "mxfp4"],
-         "error: mixing W8A8 with MXFP4 was never seen to run in vLLM here; runnable partners: W4A16"),
+        (
+            ["recipes/w8a8-int8.yaml", "--with", "mxfp4"],
+            "error: mixing W8A8 with MXFP4 was never seen to run in vLLM here; runnable partners: W4A16",
+        ),
         (["recipes/w8a8-int8.yaml", "--objective", "speed"], "error: objective must be bytes or throughput, not 'speed'"),
-        (["recipes/w8a8-int8.yaml"],
-         "error: qserve tune needs --limit: the winner is confirmed on the next --limit items, held out from the search"),
-        (["recipes/quark-w4a16.yaml"],
-         "error: qserve tune starts from an llm-compressor recipe with one scheme (no overrides, kv_cache or sparsity)"),
+        (
+            ["recipes/w8a8-int8.yaml"],
+            "error: qserve tune needs --limit: the winner is confirmed on the next --limit items, held out from the search",
+        ),
+        (
+            ["recipes/quark-w4a16.yaml"],
+            "error: qserve tune starts from an llm-compressor recipe with one scheme (no overrides, kv_cache or sparsity)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_tune_refuses_what_it_cannot_search_in_one_line(args: list[str], message: str, tmp_path: Path) -> None:
     proc = run_qserve("tune", *args, "--out-dir", tmp_path / "t")
     assert (proc.returncode, proc.stderr.strip().splitlines()[-1]) == (1, message)

@@ -6,6 +6,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from qserve.checkpoint.backends import backend_writing
 from qserve.checkpoint.manifest import CARD_NAME, Manifest
 
 __all__ = ["CARD_NAME", "front_matter", "gate_rows", "md_table", "model_card", "text_table", "vllm_serve_command"]
@@ -84,11 +85,17 @@ def front_matter(ckpt: Path, manifest: Manifest, summary: dict[str, Any] | None)
     meta: dict[str, Any] = {}
     if _hub_id(source):
         meta |= {"base_model": source, "base_model_relation": "quantized"}
-    backend = "quark" if args.quantization == "quark" else "llm-compressor"
+    made_by = backend_writing(args.quantization)
     meta["library_name"] = "transformers"
-    meta["tags"] = ["qserve", "quantized", manifest.scheme.lower(), args.quantization or "unquantized", backend, "vllm"]
-    meta["quantization"] = {"scheme": manifest.scheme, "recipe": manifest.recipe.get("name"), "vllm_quantization": args.quantization,
-                            "kv_cache_dtype": args.kv_cache_dtype, "dtype": args.dtype}  # fmt: skip
+    meta["tags"] = ["qserve", "quantized", manifest.scheme.lower(), args.quantization or "unquantized"]
+    meta["tags"] += [made_by.label.lower()] * bool(made_by) + ["vllm"]
+    meta["quantization"] = {
+        "scheme": manifest.scheme,
+        "recipe": manifest.recipe.get("name"),
+        "vllm_quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "dtype": args.dtype,
+    }
     if summary is not None and summary.get("gates"):
         meta["model-index"] = [{"name": ckpt.resolve().name, "results": [_result(g, summary) for g in summary["gates"]]}]
     return ["---", yaml.safe_dump(meta, sort_keys=False).rstrip(), "---", ""]

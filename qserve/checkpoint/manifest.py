@@ -21,11 +21,14 @@ from qserve.checkpoint.layout import (
 )
 from qserve.errors import QserveError
 
+# Laid out by hand (the names other modules import from here), so the formatter leaves it:
+# fmt: off
 __all__ = [
     "CARD_NAME", "EVAL_NAME", "LM_EVAL_RESULTS_NAME", "MANIFEST_NAME", "RECORD_DIRS", "RECORD_NAMES", "REPORT_NAME",
     "SIGNATURE_NAME", "Manifest", "VllmArgs", "hash_files", "hashed_paths", "library_versions", "manifest_digest",
     "read_manifest", "refuse_special_files", "sha256_file", "verify_files", "write_manifest",
-]  # fmt: skip  (the names other modules import from here)
+]
+# fmt: on
 
 TRACKED_PACKAGES = (
     "qserve",

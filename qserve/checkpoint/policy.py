@@ -24,6 +24,7 @@ from qserve.errors import InvalidSpec, QserveError
 DEFAULT_MIN_RECOVERY = 0.95
 CRITERIA = ("min_recovery", "max_drop", "max_increase")
 
+
 class GateSpec(BaseModel):
     """One gate on one metric of a task. A bare number in a recipe means min_recovery."""
 
@@ -42,6 +43,7 @@ class GateSpec(BaseModel):
     def criteria(self) -> dict[str, float]:
         return {c: getattr(self, c) for c in CRITERIA if getattr(self, c) is not None}
 
+
 def normalize(value: object) -> list[GateSpec]:
     """A recipe's or CLI's gate value (number, mapping or list of them) as GateSpecs."""
     items = value if isinstance(value, list) else [value]
@@ -56,6 +58,7 @@ def normalize(value: object) -> list[GateSpec]:
         else:
             raise InvalidSpec(f"a gate is a number (minimum recovery) or a mapping of {', '.join(CRITERIA)}; got {item!r}")
     return out
+
 
 def allowed_degradation(spec: GateSpec, baseline: float, higher_is_better: bool) -> float | None:
     """The tightest allowance the spec's criteria give; None if min_recovery is undefined."""
@@ -76,9 +79,6 @@ def allowed_degradation(spec: GateSpec, baseline: float, higher_is_better: bool)
             )
         limits.append(baseline * spec.max_increase)
     return min(limits)
-
-
-
 
 
 class Policy(BaseModel):
@@ -124,7 +124,9 @@ def differences(record: dict[str, Any], policy: Policy) -> list[str]:
             mine = [g for g in mine if g.get("signal", True)]  # a gate without signal is a warning (gates.verdict)
             evaluated += mine
             if not mine and policy.require_all_tasks:
-                found.append(f"no gate on {task}{'@' + spec.metric if spec.metric else ''} (the policy requires {spec.criteria()})")
+                found.append(
+                    f"no gate on {task}{'@' + spec.metric if spec.metric else ''} (the policy requires {spec.criteria()})"
+                )
             found += [d for g in mine if (d := _shortfall(g, spec, policy))]
     if not evaluated and not found:
         found.append(f"no gate on any task the policy names ({', '.join(policy.gates)})")

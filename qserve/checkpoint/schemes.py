@@ -7,10 +7,6 @@ from typing import Any
 
 from qserve.errors import InvalidSpec
 
-BACKENDS = ("llmcompressor", "quark")
-# vLLM's `quantization` name for the checkpoints each backend writes.
-VLLM_METHOD = {"llmcompressor": "compressed-tensors", "quark": "quark"}
-
 
 @dataclass(frozen=True)
 class Scheme:
@@ -30,74 +26,134 @@ SCHEMES: dict[str, Scheme] = {
     s.name: s
     for s in (
         Scheme(
-            "FP8_DYNAMIC", 8, "fp8", False, False, "bfloat16",
-            "FP8 weights per channel, dynamic per-token FP8 activations",
-            {"llmcompressor": "FP8_DYNAMIC"},
+            name="FP8_DYNAMIC",
+            weight_bits=8,
+            activations="fp8",
+            needs_calibration=False,
+            group_quantized=False,
+            vllm_dtype="bfloat16",
+            summary="FP8 weights per channel, dynamic per-token FP8 activations",
+            backends={"llmcompressor": "FP8_DYNAMIC"},
         ),
         Scheme(
-            "FP8", 8, "fp8", True, False, "bfloat16",
-            "FP8 weights per tensor, static per-tensor FP8 activations (scales calibrated)",
-            {"llmcompressor": "FP8", "quark": "fp8"},
+            name="FP8",
+            weight_bits=8,
+            activations="fp8",
+            needs_calibration=True,
+            group_quantized=False,
+            vllm_dtype="bfloat16",
+            summary="FP8 weights per tensor, static per-tensor FP8 activations (scales calibrated)",
+            backends={"llmcompressor": "FP8", "quark": "fp8"},
         ),
         Scheme(
-            "W8A8", 8, "int8", False, False, "bfloat16",
-            "INT8 weights per channel, dynamic per-token INT8 activations",
-            {"llmcompressor": "W8A8"},
+            name="W8A8",
+            weight_bits=8,
+            activations="int8",
+            needs_calibration=False,
+            group_quantized=False,
+            vllm_dtype="bfloat16",
+            summary="INT8 weights per channel, dynamic per-token INT8 activations",
+            backends={"llmcompressor": "W8A8"},
         ),
         Scheme(
-            "W4A16", 4, "fp16", False, True, "float16",
-            "INT4 weights in groups, 16-bit activations",
-            {"llmcompressor": "W4A16", "quark": "int4_wo_{group_size}"},
+            name="W4A16",
+            weight_bits=4,
+            activations="fp16",
+            needs_calibration=False,
+            group_quantized=True,
+            vllm_dtype="float16",
+            summary="INT4 weights in groups, 16-bit activations",
+            backends={"llmcompressor": "W4A16", "quark": "int4_wo_{group_size}"},
         ),
         Scheme(
-            "MXFP4", 4, "fp4", False, False, "bfloat16",
-            "OCP MXFP4 weights and activations (FP4 E2M1, one E8M0 scale per 32 values)",
-            {"llmcompressor": "MXFP4", "quark": "mxfp4"},
+            name="MXFP4",
+            weight_bits=4,
+            activations="fp4",
+            needs_calibration=False,
+            group_quantized=False,
+            vllm_dtype="bfloat16",
+            summary="OCP MXFP4 weights and activations (FP4 E2M1, one E8M0 scale per 32 values)",
+            backends={"llmcompressor": "MXFP4", "quark": "mxfp4"},
         ),
         Scheme(
-            "MXFP4A16", 4, "fp16", False, False, "bfloat16",
-            "OCP MXFP4 weights, 16-bit activations",
-            {"llmcompressor": "MXFP4A16"},
+            name="MXFP4A16",
+            weight_bits=4,
+            activations="fp16",
+            needs_calibration=False,
+            group_quantized=False,
+            vllm_dtype="bfloat16",
+            summary="OCP MXFP4 weights, 16-bit activations",
+            backends={"llmcompressor": "MXFP4A16"},
         ),
         # The 2026 hardware formats (compressed-tensors presets; vLLM's GPU requirements are in
         # device/support.py, from vLLM's source).
         Scheme(
-            "FP8_BLOCK", 8, "fp8", False, False, "bfloat16",
-            "FP8 weights in 128x128 blocks, dynamic FP8 activations per token group of 128 (DeepSeek-V3 style)",
-            {"llmcompressor": "FP8_BLOCK"},
+            name="FP8_BLOCK",
+            weight_bits=8,
+            activations="fp8",
+            needs_calibration=False,
+            group_quantized=False,
+            vllm_dtype="bfloat16",
+            summary="FP8 weights in 128x128 blocks, dynamic FP8 activations per token group of 128 (DeepSeek-V3 style)",
+            backends={"llmcompressor": "FP8_BLOCK"},
         ),
         Scheme(
-            "MXFP8", 8, "fp8", False, False, "bfloat16",
-            "OCP MXFP8 weights and activations (FP8 E4M3, one E8M0 scale per 32 values)",
-            {"llmcompressor": "MXFP8"},
+            name="MXFP8",
+            weight_bits=8,
+            activations="fp8",
+            needs_calibration=False,
+            group_quantized=False,
+            vllm_dtype="bfloat16",
+            summary="OCP MXFP8 weights and activations (FP8 E4M3, one E8M0 scale per 32 values)",
+            backends={"llmcompressor": "MXFP8"},
         ),
         Scheme(
-            "NVFP4", 4, "fp4", True, False, "bfloat16",
-            "NVFP4 weights and activations (FP4 E2M1, an FP8 scale per 16 values and a global scale; "
+            name="NVFP4",
+            weight_bits=4,
+            activations="fp4",
+            needs_calibration=True,
+            group_quantized=False,
+            vllm_dtype="bfloat16",
+            summary="NVFP4 weights and activations (FP4 E2M1, an FP8 scale per 16 values and a global scale; "
             "activation global scales calibrated)",
-            {"llmcompressor": "NVFP4"},
+            backends={"llmcompressor": "NVFP4"},
         ),
         Scheme(
-            "NVFP4A16", 4, "fp16", False, False, "bfloat16",
-            "NVFP4 weights (FP4 E2M1, an FP8 scale per 16 values and a global scale), 16-bit activations",
-            {"llmcompressor": "NVFP4A16"},
+            name="NVFP4A16",
+            weight_bits=4,
+            activations="fp16",
+            needs_calibration=False,
+            group_quantized=False,
+            vllm_dtype="bfloat16",
+            summary="NVFP4 weights (FP4 E2M1, an FP8 scale per 16 values and a global scale), 16-bit activations",
+            backends={"llmcompressor": "NVFP4A16"},
         ),
         Scheme(
-            "W4AFP8", 4, "fp8", False, True, "bfloat16",
-            "INT4 weights in groups, dynamic per-token FP8 activations",
-            {"llmcompressor": "W4AFP8"},
+            name="W4AFP8",
+            weight_bits=4,
+            activations="fp8",
+            needs_calibration=False,
+            group_quantized=True,
+            vllm_dtype="bfloat16",
+            summary="INT4 weights in groups, dynamic per-token FP8 activations",
+            backends={"llmcompressor": "W4AFP8"},
         ),
         # Per-layer mixes (a recipe's `overrides`, what `qserve tune` writes): one compressed-tensors
         # checkpoint with a config group per scheme, loaded by vLLM with one `quantization` argument.
         # Only mixes vLLM was seen to run go here (device/support.py). bfloat16: the INT8 layers'
         # AMX kernel takes no other dtype, and the INT4 layers' CPUWNA16 kernel takes it.
         Scheme(
-            "W8A8+W4A16", 4, "int8", False, True, "bfloat16",
-            "INT8 W8A8 layers and INT4 W4A16 layers (in groups) in one checkpoint",
-            {"llmcompressor": "W8A8+W4A16"},
+            name="W8A8+W4A16",
+            weight_bits=4,
+            activations="int8",
+            needs_calibration=False,
+            group_quantized=True,
+            vllm_dtype="bfloat16",
+            summary="INT8 W8A8 layers and INT4 W4A16 layers (in groups) in one checkpoint",
+            backends={"llmcompressor": "W8A8+W4A16"},
         ),
     )
-}  # fmt: skip
+}
 MIX_SEPARATOR = "+"
 
 

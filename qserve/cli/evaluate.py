@@ -25,7 +25,7 @@ from qserve.cli._common import (
     split,
     user_errors,
     verdict_exit,
-)  # fmt: skip
+)
 
 
 @user_errors
@@ -78,9 +78,17 @@ def eval_(
     from qserve.workflow import evaluate_logged
 
     summary = evaluate_logged(
-        checkpoint, verbose, tasks=split(tasks), limit=limit, gates=parse_cli_gates(gate or []), data_dir=data_dir,
-        refresh_baseline=refresh_baseline, check_parity=parity, kv_cache_dtype=kv_cache_dtype, verify_key=verify_key,
+        checkpoint,
+        verbose,
+        tasks=split(tasks),
+        limit=limit,
+        gates=parse_cli_gates(gate or []),
+        data_dir=data_dir,
+        refresh_baseline=refresh_baseline,
+        check_parity=parity,
+        kv_cache_dtype=kv_cache_dtype,
+        verify_key=verify_key,
         parallel=parallel_args(tensor_parallel_size, pipeline_parallel_size, data_parallel_size, distributed_executor_backend),
-    )  # fmt: skip
+    )
     typer.echo(json.dumps(summary, indent=2) if as_json else format_table(summary))
     raise typer.Exit(verdict_exit(summary))

@@ -19,7 +19,10 @@ def gate(
     gate: GateOpt = None,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Also write the gate record (JSON) here.")] = None,
     look: Annotated[
-        int, typer.Option(min=1, help="How many times these weights have been gated, this run included: each look spends less of the 5 %.")
+        int,
+        typer.Option(
+            min=1, help="How many times these weights have been gated, this run included: each look spends less of the 5 %."
+        ),
     ] = 1,
     as_json: JsonOpt = False,
 ) -> None:
@@ -52,7 +55,9 @@ def gate(
 @user_errors
 def gate_levels(
     draws: Annotated[int, typer.Option(min=100, help="Simulated samples per cell.")] = 2000,
-    out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the Markdown page here (e.g. docs/gate-levels.md).")] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="Write the Markdown page here (e.g. docs/gate-levels.md).")
+    ] = None,
 ) -> None:
     """Print how often each gate bound passes a model at exactly its allowance (false pass) and at half
     of it (power), by n and by the shape of per-item losses: the table to choose --limit from.

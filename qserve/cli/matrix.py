@@ -13,13 +13,31 @@ from qserve.cli._common import DataDirOpt, split, user_errors
 
 @user_errors
 def matrix(
-    archs: Annotated[str | None, typer.Option("--archs", help="Comma-separated architectures (default: all; see --list).")] = None,
-    columns: Annotated[str | None, typer.Option("--columns", help="Comma-separated recipes of the matrix (default: all).")] = None,
-    workdir: Annotated[Path | None, typer.Option("--workdir", help="Models, checkpoints and logs (default: the qserve cache's matrix/).")] = None,
-    out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the Markdown page here (and the results as JSON beside it).")] = None,
-    serve: Annotated[bool, typer.Option("--serve/--no-serve", help="Also serve each passing cell and ask one chat question.")] = True,
-    resume: Annotated[bool, typer.Option("--resume", help="Keep the cells an earlier run wrote to WORKDIR/matrix.json (and serve those it did not, unless --no-serve).")] = False,
-    from_: Annotated[Path | None, typer.Option("--from", help="Rewrite the page from a results JSON an earlier run wrote (no run).")] = None,
+    archs: Annotated[
+        str | None, typer.Option("--archs", help="Comma-separated architectures (default: all; see --list).")
+    ] = None,
+    columns: Annotated[
+        str | None, typer.Option("--columns", help="Comma-separated recipes of the matrix (default: all).")
+    ] = None,
+    workdir: Annotated[
+        Path | None, typer.Option("--workdir", help="Models, checkpoints and logs (default: the qserve cache's matrix/).")
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="Write the Markdown page here (and the results as JSON beside it).")
+    ] = None,
+    serve: Annotated[
+        bool, typer.Option("--serve/--no-serve", help="Also serve each passing cell and ask one chat question.")
+    ] = True,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume",
+            help="Keep the cells an earlier run wrote to WORKDIR/matrix.json (and serve those it did not, unless --no-serve).",
+        ),
+    ] = False,
+    from_: Annotated[
+        Path | None, typer.Option("--from", help="Rewrite the page from a results JSON an earlier run wrote (no run).")
+    ] = None,
     data_dir: DataDirOpt = None,
     list_: Annotated[bool, typer.Option("--list", help="List the architectures and columns, and exit.")] = False,
 ) -> None:
@@ -50,7 +68,9 @@ def matrix(
         record = json.loads(from_.read_text())
     else:
         chosen = split(archs) if archs else list(ARCHITECTURES)
-        results = run_matrix(chosen, split(columns) if columns else list(COLUMNS), workdir or default_workdir(), data_dir, serve, resume)
+        results = run_matrix(
+            chosen, split(columns) if columns else list(COLUMNS), workdir or default_workdir(), data_dir, serve, resume
+        )
         record = {"provenance": provenance(archs, columns, serve), "served": serve, "cells": [c.record() for c in results]}
     page = markdown(record["cells"], record["provenance"], record["served"])
     if out is not None:

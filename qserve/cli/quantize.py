@@ -60,9 +60,16 @@ def quantize(
 
     nodes = {"nnodes": nnodes, "rdzv_endpoint": rdzv_endpoint} if nnodes > 1 else {}
     out = quantize_logged(
-        recipe, verbose, model=model, output=output, data_dir=data_dir, force=force, trust_remote_code=trust_remote_code,
-        nproc=nproc, nodes=nodes,
-    )  # fmt: skip
+        recipe,
+        verbose,
+        model=model,
+        output=output,
+        data_dir=data_dir,
+        force=force,
+        trust_remote_code=trust_remote_code,
+        nproc=nproc,
+        nodes=nodes,
+    )
     typer.echo(str(out))
 
 

@@ -26,7 +26,7 @@ from qserve.cli._common import (
     user_errors,
     verdict_exit,
     vllm_logs_to_stderr,
-)  # fmt: skip
+)
 
 
 @user_errors
@@ -82,6 +82,4 @@ def run(
         typer.echo(f"error: {ckpt} did not pass its gate (verdict: {summary['verdict']}); not serving it", err=True)
         raise typer.Exit(verdict_exit(summary))
     vllm_logs_to_stderr()
-    serve(
-        ckpt, host=host, port=port, extra_args=list(ctx.args), **key_args, ready_timeout=ready_timeout, verbose=verbose
-    )  # fmt: skip
+    serve(ckpt, host=host, port=port, extra_args=list(ctx.args), **key_args, ready_timeout=ready_timeout, verbose=verbose)

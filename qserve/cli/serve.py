@@ -24,7 +24,7 @@ from qserve.cli._common import (
     library_output,
     user_errors,
     vllm_logs_to_stderr,
-)  # fmt: skip
+)
 from qserve.device.passthrough import pass_through_help
 from qserve.errors import QserveError
 from qserve.progress import info
@@ -70,10 +70,18 @@ def serve(
 
     vllm_logs_to_stderr()  # stdout: the endpoint and curl lines only
     run(
-        checkpoint, host=host, port=port, skip_gate=skip_gate, extra_args=list(ctx.args), **api_key(key, key_file),
-        ready_timeout=ready_timeout, verbose=verbose, verify_key=verify_key, policy=policy,
+        checkpoint,
+        host=host,
+        port=port,
+        skip_gate=skip_gate,
+        extra_args=list(ctx.args),
+        **api_key(key, key_file),
+        ready_timeout=ready_timeout,
+        verbose=verbose,
+        verify_key=verify_key,
+        policy=policy,
         accept_gate_difference=accept_gate_difference,
-    )  # fmt: skip
+    )
 
 
 serve.__doc__ = (serve.__doc__ or "").replace("{PASS_THROUGH}", pass_through_help())

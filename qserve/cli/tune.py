@@ -29,7 +29,7 @@ def tune(
             help="The smaller scheme the least sensitive layer groups move to. Default: the smallest that "
             "forms a mix vLLM was seen to run here (W4A16 for a W8A8 recipe).",
         ),
-    ] = None,  # fmt: skip
+    ] = None,
     group_size: Annotated[
         int | None,
         typer.Option(
@@ -79,9 +79,19 @@ def tune(
 
     out = out_dir or Path(f"tune-{load_recipe(recipe)[0].name}")
     with library_output(out / "logs" / "tune.log", verbose), bounded_in_process_stop():
-        result = run(recipe, model=model, tasks=split(tasks), limit=limit, data_dir=data_dir, out_dir=out, low=low,
-                     group_size=group_size, objective=objective, budget=Budget(max_candidates, budget_minutes),
-                     sensitivity_only=sensitivity_only)  # fmt: skip
+        result = run(
+            recipe,
+            model=model,
+            tasks=split(tasks),
+            limit=limit,
+            data_dir=data_dir,
+            out_dir=out,
+            low=low,
+            group_size=group_size,
+            objective=objective,
+            budget=Budget(max_candidates, budget_minutes),
+            sensitivity_only=sensitivity_only,
+        )
     typer.echo(json.dumps(result, indent=2) if as_json else format_tune(result))
     if not sensitivity_only and result["winner"] is None:
         raise typer.Exit(EXIT_GATE_FAILED)

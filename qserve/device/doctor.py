@@ -7,8 +7,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from qserve.checkpoint.backends import BACKENDS
 from qserve.checkpoint.manifest import TRACKED_PACKAGES, library_versions
-from qserve.checkpoint.schemes import SCHEMES, VLLM_METHOD
+from qserve.checkpoint.schemes import SCHEMES
 from qserve.device import detect, support
 from qserve.progress import step
 
@@ -75,7 +76,7 @@ def scheme_matrix(kind: str) -> list[dict[str, Any]]:
     rows = []
     for scheme in SCHEMES.values():
         for backend in scheme.backends:
-            s = support.support_for(VLLM_METHOD[backend], scheme.name, kind)
+            s = support.support_for(BACKENDS[backend].vllm_quantization, scheme.name, kind)
             rows.append(
                 {
                     "backend": backend,

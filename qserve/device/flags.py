@@ -55,6 +55,8 @@ def check_user_args(ckpt: Path, manifest: Manifest, requested: dict[str, str | N
 OWNED = {"host": "--host", "port": "--port", "api_key": "--api-key (or QSERVE_API_KEY)"}
 # The gated settings: the manifest field each must equal.
 MATCHED = {"quantization": "quantization", "kv_cache_dtype": "kv_cache_dtype", "dtype": "dtype"}
+
+
 @cache
 def _serve_parser() -> Any:
     """vLLM's own `vllm serve` argument parser (underscores, `=`, abbreviations as vLLM takes them)."""

@@ -161,4 +161,3 @@ def _checkpoint_tensors(model_path: Path) -> dict[str, Any]:
                 name = name.replace(old, new)
             readers[name] = lambda h=handle, k=key: h.get_tensor(k)
     return readers
-

@@ -11,6 +11,8 @@ from qserve.errors import QserveError
 # The only `vllm serve` settings (argparse dests, vLLM 0.32) a user may change after `--`, by family:
 # none changes what the model computes from a prompt or who may reach it. Everything else (weights,
 # tokenizer, numerics, adapters, plugins, extra endpoints) is refused: what is served is what was gated.
+# Laid out by hand (one family a line), so the formatter leaves it:
+# fmt: off
 PASS_THROUGH = {
     "served model name": ("served_model_name", "response_role"),
     "context length and scheduling limits": (
@@ -37,7 +39,8 @@ PASS_THROUGH = {
         "enable_prompt_tokens_details", "enable_server_load_tracking", "enable_force_include_usage",
         "enable_request_id_headers", "otlp_traces_endpoint", "collect_detailed_traces",
     ),
-}  # fmt: skip  (one family a line)
+}
+# fmt: on
 ALLOWED = {dest: family for family, dests in PASS_THROUGH.items() for dest in dests}
 # Why some refused settings are refused, for the error line (the default: not on the allowlist).
 REFUSED_BECAUSE = {
@@ -51,7 +54,9 @@ REFUSED_BECAUSE = {
 
 def pass_through_help() -> str:
     """Both allowlists as `qserve serve --help` prints them."""
-    options = "; ".join(f"{family}: {', '.join('--' + d.replace('_', '-') for d in dests)}" for family, dests in PASS_THROUGH.items())
+    options = "; ".join(
+        f"{family}: {', '.join('--' + d.replace('_', '-') for d in dests)}" for family, dests in PASS_THROUGH.items()
+    )
     return (
         f"Options allowed after `--`, by family: {options}. Any other (LoRA, plugins, --middleware, --grpc, "
         "--logprobs-mode, --disable-sliding-window, model, tokenizer or loader settings) is refused. Environment: "
@@ -67,6 +72,8 @@ def refused_because(dest: str) -> str:
 
 
 # The environment a served vLLM sees: these names and prefixes pass, any other variable is dropped.
+# Laid out by hand (grouped by kind), so the formatter leaves it:
+# fmt: off
 ENV_PASS = {
     "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TERM", "TMPDIR", "PYTHONPATH",
     "VIRTUAL_ENV", "LD_LIBRARY_PATH", "CUDA_HOME", "ROCM_PATH", "SSL_CERT_FILE", "SSL_CERT_DIR",
@@ -74,17 +81,21 @@ ENV_PASS = {
     "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE",
     "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_RUNTIME_DIR", "QSERVE_CACHE_DIR",
     "CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES",
-}  # fmt: skip  (grouped by kind)
+}
+# fmt: on
 ENV_PASS_PREFIXES = ("LC_", "OMP_", "KMP_", "MKL_", "NCCL_", "GLOO_")
 # vLLM's own variables that leave what is served, and who may reach it, alone: logging, caches,
 # timeouts, CPU placement, how workers start. Any other VLLM_* variable is refused: VLLM_SERVER_DEV_MODE=1 alone
 # opens /collective_rpc and /update_weights on the served model.
+# Laid out by hand (grouped by kind), so the formatter leaves it:
+# fmt: off
 VLLM_ENV_PASS = {
     "VLLM_LOGGING_LEVEL", "VLLM_LOGGING_STREAM", "VLLM_LOGGING_PREFIX", "VLLM_CONFIGURE_LOGGING",
     "VLLM_NO_USAGE_STATS", "VLLM_DO_NOT_TRACK", "VLLM_CACHE_ROOT", "VLLM_CONFIG_ROOT", "VLLM_RPC_TIMEOUT",
     "VLLM_ENGINE_READY_TIMEOUT_S", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "VLLM_HOST_IP", "VLLM_PORT",
     "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "VLLM_WORKER_MULTIPROC_METHOD",
-}  # fmt: skip  (grouped by kind)
+}
+# fmt: on
 # The key is the caller's choice (`api_key`), never an inherited one.
 VLLM_ENV_DROPPED = {"VLLM_API_KEY"}
 

@@ -107,8 +107,17 @@ def evaluate(
     summary |= {"offset": offset, "purpose": purpose, "look": look, "request": _request(plan, limit, check_parity, offset)}
     summary["timings"]["total_seconds"] = round(time.monotonic() - started, 2)
     if purpose == "gate":
-        looks.record(plan.manifest, {"decided_at": summary["decided_at"], "tasks": summary["tasks"], "limit": limit,
-                                     "offset": offset, "verdict": final, "level": look["level"]})  # fmt: skip
+        looks.record(
+            plan.manifest,
+            {
+                "decided_at": summary["decided_at"],
+                "tasks": summary["tasks"],
+                "limit": limit,
+                "offset": offset,
+                "verdict": final,
+                "level": look["level"],
+            },
+        )
     reports.write_all(plan.ckpt, plan.manifest, summary, {"quantized": quant.raw, "baseline": base.raw})
     return summary
 
@@ -120,7 +129,9 @@ def _look(manifest: Manifest, purpose: str) -> dict[str, Any]:
     earlier = looks.earlier(manifest)
     number = len(earlier) + 1
     if earlier:
-        info(f"look {number} at these weights ({len(earlier)} earlier gate runs): bounds at one-sided {1 - looks.level(number):.2%}")
+        info(
+            f"look {number} at these weights ({len(earlier)} earlier gate runs): bounds at one-sided {1 - looks.level(number):.2%}"
+        )
     return {"number": number, "level": looks.level(number), "earlier": earlier, "counted": True}
 
 
@@ -361,7 +372,9 @@ def _higher_is_better(raw: dict, task: str, metric: str) -> bool:
     """Which way the metric is better, from lm-eval's own task config (its results' higher_is_better)."""
     value = (raw.get("higher_is_better") or {}).get(task, {}).get(metric.partition(",")[0])
     if not isinstance(value, bool):
-        raise QserveError(f"lm-eval does not say whether higher {metric} is better for {task}; set higher_is_better in its metric_list")
+        raise QserveError(
+            f"lm-eval does not say whether higher {metric} is better for {task}; set higher_is_better in its metric_list"
+        )
     return value
 
 

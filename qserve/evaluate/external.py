@@ -76,7 +76,9 @@ class _LmEvalRun:
     def higher_is_better(self, task: str, metric: str) -> bool:
         value = (self.raw.get("higher_is_better") or {}).get(task, {}).get(metric.partition(",")[0])
         if not isinstance(value, bool):
-            raise QserveError(f"{self.path} does not say whether higher {metric} is better for {task} (lm-eval's higher_is_better)")
+            raise QserveError(
+                f"{self.path} does not say whether higher {metric} is better for {task} (lm-eval's higher_is_better)"
+            )
         return value
 
     def score(self, task: str, metric: str) -> tuple[float, float | None, stats.ItemValues]:

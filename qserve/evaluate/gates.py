@@ -204,7 +204,11 @@ def _status(allowed: float | None, cmp: Comparison) -> tuple[str, str, int | Non
     if b.lower > allowed:
         return "fail", f"{within}: exceeded beyond noise, degradation {band}", None
     if b.upper < allowed and b.needs is not None and b.items < b.needs:
-        return "inconclusive", f"{within}, under the allowance, but {b.items} items are too few for a pass ({b.needs_why}); {b.needs} items would decide (--limit)", b.needs
+        return (
+            "inconclusive",
+            f"{within}, under the allowance, but {b.items} items are too few for a pass ({b.needs_why}); {b.needs} items would decide (--limit)",
+            b.needs,
+        )
     if b.upper < allowed:
         return "pass", f"{within}, clear of noise: degradation {band}", None
     needed = items_needed(cmp, deg, allowed)

@@ -41,7 +41,9 @@ SHAPES = (
     Shape("constant", "the same per-word loss in every document, per-word noise", lambda r, m, s: m + 0 * r.random(s), 1.0),
     Shape("normal", "per-document loss normal, sd = the allowance", lambda r, m, s: m + ALLOWANCE * r.standard_normal(s)),
     Shape("lognormal-1", "lognormal, sigma 1 (all losses, skewed)", lambda r, m, s: m * r.lognormal(0, 1, s) / math.exp(0.5)),
-    Shape("lognormal-1.5", "lognormal, sigma 1.5 (strongly skewed)", lambda r, m, s: m * r.lognormal(0, 1.5, s) / math.exp(1.125)),
+    Shape(
+        "lognormal-1.5", "lognormal, sigma 1.5 (strongly skewed)", lambda r, m, s: m * r.lognormal(0, 1.5, s) / math.exp(1.125)
+    ),
     Shape("student-t3", "Student t, 3 d.f., scale = the allowance", lambda r, m, s: m + ALLOWANCE * r.standard_t(3, s)),
     Shape("rare-5%", "5 % of documents carry 80 % of the loss, small noise", _mixture, 0.3),
 )
@@ -74,7 +76,9 @@ def binary_passes(gained: float, mean: float, n: int, draws: int, rng, alpha: fl
     return (hi_lost - lo_gain) < BINARY_ALLOWANCE
 
 
-def simulate(draws: int = 2000, sizes: tuple[int, ...] = SIZES, seed: int = 0, alpha: float | None = None) -> list[dict[str, Any]]:
+def simulate(
+    draws: int = 2000, sizes: tuple[int, ...] = SIZES, seed: int = 0, alpha: float | None = None
+) -> list[dict[str, Any]]:
     """One row per bound, shape and n: the pass rates at the allowance and at half of it, at the
     level of a first look (looks.py) unless `alpha` is given."""
     alpha = looks.level(1) if alpha is None else alpha
@@ -121,7 +125,9 @@ def markdown(rows: list[dict[str, Any]], provenance: str) -> str:
         for name in dict.fromkeys(r["shape"] for r in rows if r["bound"] == bound):
             cells = {r["n"]: r for r in rows if r["bound"] == bound and r["shape"] == name}
             out.append(
-                f"| {shapes[name]} | " + " | ".join(f"{cells[n]['false_pass']:.1%} / {cells[n]['power']:.0%}" for n in sizes) + " |"
+                f"| {shapes[name]} | "
+                + " | ".join(f"{cells[n]['false_pass']:.1%} / {cells[n]['power']:.0%}" for n in sizes)
+                + " |"
             )
         out.append("")
     return "\n".join(out)

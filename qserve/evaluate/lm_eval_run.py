@@ -69,7 +69,9 @@ def run_lm_eval(
         opened = engine.open_engine(model_path, args, device, label)
     with opened as lm:
         with step(f"lm-eval on {label}: {', '.join(names)}{window.describe()}") as timing:
-            out = lm_eval.simple_evaluate(model=lm, tasks=configs, log_samples=True, bootstrap_iters=1000, **window.lm_eval(names))
+            out = lm_eval.simple_evaluate(
+                model=lm, tasks=configs, log_samples=True, bootstrap_iters=1000, **window.lm_eval(names)
+            )
         extra = during(lm) if during else None
     keep = ("results", "n-samples", "configs", "versions", "higher_is_better")
     raw = _jsonable({k: out[k] for k in keep if k in out})

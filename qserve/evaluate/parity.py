@@ -100,8 +100,11 @@ def _mean_kl(baseline: list[Any], quantized: list[Any]) -> dict[str, Any]:
     import torch
 
     per_position = torch.cat([(b.exp() * (b - q)).sum(-1) for b, q in zip(baseline, quantized)])
-    return {"mean_nats": round(float(per_position.mean()), 6), "positions": int(per_position.numel()),
-            "note": "screening number, not a gate: transformers on vLLM's greedy tokens, baseline vs checkpoint"}  # fmt: skip
+    return {
+        "mean_nats": round(float(per_position.mean()), 6),
+        "positions": int(per_position.numel()),
+        "note": "screening number, not a gate: transformers on vLLM's greedy tokens, baseline vs checkpoint",
+    }
 
 
 def _divergence(quantized: list[Any], generations: list[Generation], tolerance: Tolerance) -> dict[str, Any]:

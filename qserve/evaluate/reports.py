@@ -108,8 +108,10 @@ def _kl_line(summary: dict[str, Any]) -> str | None:
     kl = (summary.get("parity") or {}).get("kl_to_baseline")
     if not kl:
         return None
-    return (f"screening (not a gate): mean KL(baseline || checkpoint) {kl['mean_nats']:.4f} nats per token "
-            f"over {kl['positions']} positions of the parity prompts")  # fmt: skip
+    return (
+        f"screening (not a gate): mean KL(baseline || checkpoint) {kl['mean_nats']:.4f} nats per token "
+        f"over {kl['positions']} positions of the parity prompts"
+    )
 
 
 def _look_line(summary: dict[str, Any]) -> str | None:
@@ -118,8 +120,10 @@ def _look_line(summary: dict[str, Any]) -> str | None:
     if not look.get("counted"):
         return "tune search: not a gate decision (the winner is confirmed on held-out items)" if look else None
     window = f"items {summary['offset']}-{summary['offset'] + summary['limit'] - 1}; " if summary.get("offset") else ""
-    return (f"look {look['number']} at these weights ({window}{len(look['earlier'])} earlier gate runs): "
-            f"bounds one-sided {1 - look['level']:.2%}, so that all looks together pass a model at its allowance at most 5 % of the time")  # fmt: skip
+    return (
+        f"look {look['number']} at these weights ({window}{len(look['earlier'])} earlier gate runs): "
+        f"bounds one-sided {1 - look['level']:.2%}, so that all looks together pass a model at its allowance at most 5 % of the time"
+    )
 
 
 def _status(gate: dict[str, Any]) -> str:

@@ -36,10 +36,15 @@ COLUMNS: dict[str, str] = {
 }
 MOE_ONLY = {"moe-w8a8-experts-bf16"}  # columns that differ from another only on a mixture of experts
 PROMPTS = [
-    "The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,", "Water boils at",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "Water boils at",
     "Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:",
-    "The three primary colours are", "Translate to French: Good morning ->", "The largest planet in the solar system is",
-]  # fmt: skip
+    "The three primary colours are",
+    "Translate to French: Good morning ->",
+    "The largest planet in the solar system is",
+]
 MAX_TOKENS = 32  # prompts plus answers outrun the tiny models' sliding window (tiny.SLIDING_WINDOW)
 
 
@@ -113,9 +118,14 @@ def within(quantized: Agreement, engines: Agreement, quantization: Agreement, kv
 def common_prefix(first: Distributions, second: Distributions) -> tuple[Distributions, Distributions]:
     """Both runs cut, per prompt, to the generated positions before their tokens first differ (there
     both engines saw the same context), so that they can be compared position by position."""
-    cut = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y))) for x, y in zip(first.token_ids, second.token_ids)]
+    cut = [
+        next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+        for x, y in zip(first.token_ids, second.token_ids)
+    ]
+
     def take(d: Distributions) -> Distributions:
         return Distributions(d.prompt_ids, [t[:n] for t, n in zip(d.token_ids, cut)], [lp[:n] for lp, n in zip(d.logprobs, cut)])
+
     return take(first), take(second)
 
 
@@ -173,8 +183,13 @@ def chat_once(ckpt: Path, manifest: Any) -> dict[str, Any]:
 
     p = plan(ckpt, manifest, detect_device(), "127.0.0.1", free_port())
     with running(p):
-        body = {"model": p.model_name, "messages": [{"role": "user", "content": "What is 2 + 3?"}],
-                "max_tokens": 8, "temperature": 0, "logprobs": True}  # fmt: skip
+        body = {
+            "model": p.model_name,
+            "messages": [{"role": "user", "content": "What is 2 + 3?"}],
+            "max_tokens": 8,
+            "temperature": 0,
+            "logprobs": True,
+        }
         request = urllib.request.Request(
             f"{p.url}/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
         )

@@ -49,7 +49,9 @@ def _legend(served: bool) -> str:
         + "*pass* = all of it; *refused* = qserve said why before the work; *no kernel* = vLLM-CPU refused "
         "to load it with the message qserve's support table names for the scheme (it needs other hardware); "
         "*unchecked* = vLLM ran it, but transformers cannot load its quantized experts, so nothing compared its answers; "
-        "*fail* = the stage and the library's own message. Times: quantize + load + compare" + (" + serve" if served else "") + ", seconds."
+        "*fail* = the stage and the library's own message. Times: quantize + load + compare"
+        + (" + serve" if served else "")
+        + ", seconds."
     )
 
 
@@ -57,13 +59,17 @@ def _cell(cell: dict[str, Any], notes: list[str]) -> str:
     took = f"{sum(cell['seconds'].values()):.0f} s"
     if cell["status"] == "pass":
         return f"pass, {took}"
-    notes.append(f"{len(notes) + 1}. **{cell['architecture']} x {cell['column']}**, {cell['status']} at {cell['stage']}: {cell['reason']}")
+    notes.append(
+        f"{len(notes) + 1}. **{cell['architecture']} x {cell['column']}**, {cell['status']} at {cell['stage']}: {cell['reason']}"
+    )
     return f"{cell['status']} at {cell['stage']} [{len(notes)}], {took}"
 
 
 def _agreement_table(results: list[dict[str, Any]]) -> list[str]:
-    rows = ["| architecture | column | dtype | KL vLLM vs transformers (quantized) | limit | top-1 differ | limit |",
-            "|---|---|---|---|---|---|---|"]  # fmt: skip
+    rows = [
+        "| architecture | column | dtype | KL vLLM vs transformers (quantized) | limit | top-1 differ | limit |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         m = r["metrics"]
         if "quantized_pair" not in m:

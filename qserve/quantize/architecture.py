@@ -74,7 +74,9 @@ def check_mappings(model_path: Path, recipe: Recipe, trust_remote_code: bool = F
                 f"model's layers ({first_line(exc)}); choose a recipe without {name.lower()}"
             ) from None
         if not resolved:
-            raise QserveError(f"{name} would smooth nothing on {arch}: none of its mappings matches the layers the recipe quantizes")
+            raise QserveError(
+                f"{name} would smooth nothing on {arch}: none of its mappings matches the layers the recipe quantizes"
+            )
 
 
 def _check_offset_norms(name: str, modifier: Any, model: Any) -> None:

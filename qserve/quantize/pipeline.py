@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 import shutil
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from qserve import paths
+from qserve.checkpoint.backends import get_backend
 from qserve.checkpoint.card import CARD_NAME, model_card
 from qserve.checkpoint.manifest import MANIFEST_NAME, Manifest, VllmArgs, hash_files, library_versions, write_manifest
 from qserve.checkpoint.models import ModelRef, resolve_model
@@ -22,7 +22,7 @@ from qserve.checkpoint.schemes import SCHEMES
 from qserve.device.in_transformers import undo_vllm_decorations
 from qserve.errors import QserveError, is_out_of_memory
 from qserve.progress import info, step
-from qserve.quantize import architecture
+from qserve.quantize import architecture, backends
 from qserve.quantize.execution import (
     Execution,
     choose,
@@ -195,7 +195,7 @@ def _run(
         calibration=calib_record,
         versions=library_versions(),
         vllm_args=VllmArgs(
-            quantization=backend_module(recipe.backend).QUANTIZATION_METHOD,
+            quantization=get_backend(recipe.backend).vllm_quantization,
             kv_cache_dtype=recipe.kv_cache.dtype if recipe.kv_cache else "auto",
             dtype=architecture.serving_dtype(ref.path, recipe, scheme.vllm_dtype),
             trust_remote_code=trust_remote_code,
@@ -310,7 +310,7 @@ def _execute(
         launched = distributed.launch(model_path, recipe, texts, out, trust_remote_code, run.nproc, **nodes)
         experts = launched.pop("experts")  # the added-up counts go to the manifest's `experts`
         return exported_scheme(out, recipe), record | launched, experts
-    name, experts = backend_module(recipe.backend).quantize(model_path, recipe, texts, out, trust_remote_code)
+    name, experts = backends.runner(recipe.backend).quantize(model_path, recipe, texts, out, trust_remote_code)
     return name, record, experts
 
 
@@ -341,11 +341,6 @@ def with_default_calibration(recipe: Recipe) -> Recipe:
         return recipe
     info(f"the recipe's modifiers calibrate; using the default calibration {DEFAULT_CALIBRATION}")
     return recipe.model_copy(update={"calibration": CalibrationSpec.model_validate(DEFAULT_CALIBRATION)})
-
-
-def backend_module(name: str) -> Any:
-    """The module that runs a recipe's backend (imported lazily: each pulls in its library)."""
-    return importlib.import_module(f"qserve.quantize.backends.{name}")
 
 
 class _terminate_as_interrupt:

@@ -9,6 +9,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from qserve.checkpoint.backends import ALGORITHMS, BACKENDS
 from qserve.checkpoint.schemes import MIX_SEPARATOR, QUARK_GROUP_SIZES, SCHEMES, get_scheme, mix_name
 from qserve.errors import InvalidSpec, QserveError
 from qserve.evaluate.gates import GateSpec
@@ -135,12 +136,12 @@ class Recipe(_Strict):
     description: str = ""
     model: str | None = Field(None, description="model to quantize (default: the embedded SmolLM2); --model wins")
     output: str | None = Field(None, description="checkpoint directory (default out-<name>); --output wins")
-    backend: Literal["llmcompressor", "quark"] = "llmcompressor"
+    backend: Literal[tuple(BACKENDS)] = "llmcompressor"  # type: ignore[valid-type]
     scheme: str | None = Field(None, description=f"one of {', '.join(SCHEMES)}")
     modifiers: dict[str, Any] | None = Field(
         None, description="llm-compressor modifiers or stages, passed to oneshot as is (instead of scheme)"
     )
-    algorithm: Literal["rtn", "gptq", "awq", "autoround"] = "rtn"
+    algorithm: Literal[ALGORITHMS] = "rtn"  # type: ignore[valid-type]
     algorithm_options: dict[str, Any] = Field(
         default_factory=dict, description="extra arguments for the algorithm's llm-compressor modifier, e.g. {n_grid: 10} for awq"
     )

@@ -50,21 +50,32 @@ def run_load(url: str, model_name: str, tokenizer: Path, load: Load) -> dict[str
     add_cli_args(parser)
     args = parser.parse_args(
         [
-            "--backend", "openai",
-            "--base-url", url,
-            "--model", model_name,
-            "--tokenizer", str(tokenizer),
-            "--dataset-name", "random",
-            "--random-input-len", str(load.input_len),
-            "--random-output-len", str(load.output_len),
-            "--num-prompts", str(load.num_prompts),
-            "--max-concurrency", str(load.concurrency),
-            "--seed", str(load.seed),
+            "--backend",
+            "openai",
+            "--base-url",
+            url,
+            "--model",
+            model_name,
+            "--tokenizer",
+            str(tokenizer),
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            str(load.input_len),
+            "--random-output-len",
+            str(load.output_len),
+            "--num-prompts",
+            str(load.num_prompts),
+            "--max-concurrency",
+            str(load.concurrency),
+            "--seed",
+            str(load.seed),
             "--ignore-eos",
             "--disable-tqdm",
-            "--percentile-metrics", "ttft,tpot,itl,e2el",
+            "--percentile-metrics",
+            "ttft,tpot,itl,e2el",
         ]
-    )  # fmt: skip
+    )
     with contextlib.redirect_stdout(sys.stderr):  # vLLM prints its own report; stdout is ours
         result = main(args)
     return {k: result[k] for k in ("completed", "total_input_tokens", "total_output_tokens", "duration", *METRICS) if k in result}

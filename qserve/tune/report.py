@@ -44,8 +44,13 @@ def _sensitivity_plot(result: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 4), dpi=120)
     for kind, colour in zip(sorted({g["kind"] for g in groups}), ("tab:blue", "tab:orange", "tab:green"), strict=False):
         mine = [g for g in groups if g["kind"] == kind]
-        ax.bar([g["block"] + (0.2 if kind == "self_attn" else -0.2) for g in mine], [g["kl"] for g in mine], width=0.4,
-               color=colour, label=kind)  # fmt: skip
+        ax.bar(
+            [g["block"] + (0.2 if kind == "self_attn" else -0.2) for g in mine],
+            [g["kl"] for g in mine],
+            width=0.4,
+            color=colour,
+            label=kind,
+        )
     ax.set_xlabel("decoder block")
     ax.set_ylabel("KL divergence (nats/token)")
     ax.set_title(f"Sensitivity: each group quantized alone to {result['scheme']}", fontsize=9)
@@ -88,8 +93,13 @@ def _pareto_plot(result: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     for c in result["candidates"]:
         ax.scatter([c["layer_bytes_vs_bf16"]], [c["recovery"]], s=90, color=colours.get(c["verdict"], "tab:blue"), zorder=3)
-        ax.annotate(f"k={c['k']} ({c['verdict']})", (c["layer_bytes_vs_bf16"], c["recovery"]), textcoords="offset points",
-                    xytext=(6, -4), fontsize=8)  # fmt: skip
+        ax.annotate(
+            f"k={c['k']} ({c['verdict']})",
+            (c["layer_bytes_vs_bf16"], c["recovery"]),
+            textcoords="offset points",
+            xytext=(6, -4),
+            fontsize=8,
+        )
     ax.axhline(result["min_recovery"], color="tab:red", lw=0.8, ls="--", label=f"gate {result['min_recovery']}")
     ax.set_xlabel("quantized-layer bytes relative to bf16")
     ax.set_ylabel("recovery on the gated task")
@@ -115,16 +125,20 @@ def format_tune(result: dict[str, Any]) -> str:
     lines = [pareto_markdown(result)] if result.get("candidates") else []
     w = result.get("winner")
     if w:
-        lines.append(f"winner: {w['name']} (k={w['k']}): quantized-layer bytes {w['layer_bytes_vs_bf16']:.3f}x bf16, "
-                     f"recovery {w['recovery']:.4f}, PASS")  # fmt: skip
+        lines.append(
+            f"winner: {w['name']} (k={w['k']}): quantized-layer bytes {w['layer_bytes_vs_bf16']:.3f}x bf16, "
+            f"recovery {w['recovery']:.4f}, PASS"
+        )
         lines.append(f"checkpoint: {w['checkpoint']}")
         lines.append(f"recipe:     {result['recipe_file']}  (qserve quantize it to re-make the checkpoint)")
     if result.get("stopped"):
         lines.append(f"search stopped: {result['stopped']}")
     conf = result.get("confirmation")
     if conf:
-        lines.append(f"confirmation on held-out items {conf['items']}: {conf['verdict'].upper()}, recovery {conf['recovery']:.4f} "
-                     "(the gate record serve checks; the search's records are not gates)")  # fmt: skip
+        lines.append(
+            f"confirmation on held-out items {conf['items']}: {conf['verdict'].upper()}, recovery {conf['recovery']:.4f} "
+            "(the gate record serve checks; the search's records are not gates)"
+        )
     if not w and result.get("closest"):
         c = result["closest"]
         lines.append(f"no candidate passed; closest: {c['name']} (k={c['k']}), recovery {c['recovery']:.4f}, {c['verdict']}")

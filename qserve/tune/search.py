@@ -54,9 +54,8 @@ def smaller_scheme(recipe: Recipe, low: str | None, kind: str) -> str:
     if recipe.backend != "llmcompressor" or recipe.scheme is None or recipe.overrides or recipe.kv_cache or recipe.sparsity:
         raise InvalidSpec("qserve tune starts from an llm-compressor recipe with one scheme (no overrides, kv_cache or sparsity)")
     runnable = [
-        n for n in SCHEMES
-        if "+" in n and recipe.scheme in n.split("+") and support_for("compressed-tensors", n, kind).runs
-    ]  # fmt: skip
+        n for n in SCHEMES if "+" in n and recipe.scheme in n.split("+") and support_for("compressed-tensors", n, kind).runs
+    ]
     partners = [p for n in runnable for p in n.split("+") if p != recipe.scheme]
     if low is not None:
         low = low.upper()
@@ -128,16 +127,29 @@ def run_candidate(recipe_file: Path, out: Path, k: int, options: dict[str, Any])
     ckpt = out / name
     quantize(recipe_file, model=options["model"], output=ckpt, data_dir=options["data_dir"], force=ckpt.exists(), remember=False)
     summary = evaluate(
-        ckpt, tasks=options["tasks"], limit=options["limit"], data_dir=options["data_dir"], measure_decode=True, purpose="tune search"
+        ckpt,
+        tasks=options["tasks"],
+        limit=options["limit"],
+        data_dir=options["data_dir"],
+        measure_decode=True,
+        purpose="tune search",
     )
     gate = summary["gates"][0]
     return {
-        "name": name, "k": k, "recipe": str(recipe_file), "checkpoint": str(ckpt), "verdict": summary["verdict"],
-        "task": gate["task"], "recovery": gate["recovery"], "bounds": gate.get("bounds"), "parity": summary["parity"]["status"],
-        "layer_bytes_vs_bf16": quantized_layer_bytes(ckpt)["ratio"], "size_vs_bf16": inspect_checkpoint(ckpt)["size_vs_bf16"],
+        "name": name,
+        "k": k,
+        "recipe": str(recipe_file),
+        "checkpoint": str(ckpt),
+        "verdict": summary["verdict"],
+        "task": gate["task"],
+        "recovery": gate["recovery"],
+        "bounds": gate.get("bounds"),
+        "parity": summary["parity"]["status"],
+        "layer_bytes_vs_bf16": quantized_layer_bytes(ckpt)["ratio"],
+        "size_vs_bf16": inspect_checkpoint(ckpt)["size_vs_bf16"],
         "decode_tokens_per_second": (summary.get("decode") or {}).get("tokens_per_second"),
         "seconds": round(time.monotonic() - start, 1),
-    }  # fmt: skip
+    }
 
 
 def tune(
@@ -161,12 +173,19 @@ def tune(
     recipe, _ = load_recipe(recipe_path)
     low = smaller_scheme(recipe, low, detect_device().kind)
     if not limit and not sensitivity_only:
-        raise InvalidSpec("qserve tune needs --limit: the winner is confirmed on the next --limit items, held out from the search")
+        raise InvalidSpec(
+            "qserve tune needs --limit: the winner is confirmed on the next --limit items, held out from the search"
+        )
     out = Path(out_dir or f"tune-{recipe.name}")
     out.mkdir(parents=True, exist_ok=True)
     ranking, files = _sensitivity(recipe, model, data_dir, low, group_size, out)
-    result: dict[str, Any] = {"recipe": str(recipe_path), "schemes": [low, recipe.scheme], "mix": mix_name([low, recipe.scheme]),
-                              "group_size": ranking["group_size"], "sensitivity": files}  # fmt: skip
+    result: dict[str, Any] = {
+        "recipe": str(recipe_path),
+        "schemes": [low, recipe.scheme],
+        "mix": mix_name([low, recipe.scheme]),
+        "group_size": ranking["group_size"],
+        "sensitivity": files,
+    }
     if sensitivity_only:
         return result | {"files": files}
     options = {"model": model, "tasks": tasks, "limit": limit, "data_dir": data_dir}
@@ -206,8 +225,10 @@ def _search(
     order = [LayerGroup(g["block"], g["kind"], modules[g["group"]], g["params"]) for g in ranked]
     n, recovery = len(order), min_recovery(recipe, options["tasks"])
     k0 = predicted_k([g["kl"] for g in ranked], recovery)
-    info(f"search: {n} layer groups; predicted start k={k0} (summed KL within half of log(1/{recovery})); budget "
-         f"{budget.candidates} candidates, {budget.minutes:g} min")  # fmt: skip
+    info(
+        f"search: {n} layer groups; predicted start k={k0} (summed KL within half of log(1/{recovery})); budget "
+        f"{budget.candidates} candidates, {budget.minutes:g} min"
+    )
     rows: dict[int, dict[str, Any]] = {}
     lo, hi, k = 0, n + 1, k0
     stopped = "the passing and failing candidates met"
@@ -216,8 +237,10 @@ def _search(
         if not budget.allows(len(rows), mean):
             stopped = "budget reached"
             break
-        info(f"candidate {len(rows) + 1}: k={k} ({k}/{n} groups in {low}); so far: passes up to k={lo if lo in rows else '?'}, "
-             f"fails from k={hi if hi <= n else '?'}")  # fmt: skip
+        info(
+            f"candidate {len(rows) + 1}: k={k} ({k}/{n} groups in {low}); so far: passes up to k={lo if lo in rows else '?'}, "
+            f"fails from k={hi if hi <= n else '?'}"
+        )
         rows[k] = _try(base, recipe, low, ranking["group_size"], order, k, options, out)
         lo, hi = (k, hi) if rows[k]["verdict"] == "pass" else (lo, k)
         if hi - lo <= 1:
@@ -226,8 +249,14 @@ def _search(
     if not any(r["verdict"] == "pass" for r in rows.values()) and 0 not in rows and budget.allows(len(rows), 0):
         info(f"no mix passed; trying the recipe's own uniform {recipe.scheme} (k=0)")
         rows[0] = _try(base, recipe, low, ranking["group_size"], order, 0, options, out)
-    return {"groups": n, "order": [g.name for g in order], "predicted_k": k0, "min_recovery": recovery,
-            "candidates": list(rows.values()), "stopped": stopped}  # fmt: skip
+    return {
+        "groups": n,
+        "order": [g.name for g in order],
+        "predicted_k": k0,
+        "min_recovery": recovery,
+        "candidates": list(rows.values()),
+        "stopped": stopped,
+    }
 
 
 def _confirm(best: dict[str, Any], tasks: list[str] | None, limit: int | None, data_dir: Any) -> dict[str, Any]:
@@ -238,8 +267,13 @@ def _confirm(best: dict[str, Any], tasks: list[str] | None, limit: int | None, d
     summary = evaluate(best["checkpoint"], tasks=tasks, limit=limit, data_dir=data_dir, offset=limit)
     gate = summary["gates"][0]
     info(f"confirmation: {summary['verdict'].upper()}, recovery {gate['recovery']:.4f} on items {limit}-{2 * limit - 1}")
-    return {"verdict": summary["verdict"], "recovery": gate["recovery"], "bounds": gate.get("bounds"),
-            "items": f"{limit}-{2 * limit - 1}", "look": summary["look"]["number"]}  # fmt: skip
+    return {
+        "verdict": summary["verdict"],
+        "recovery": gate["recovery"],
+        "bounds": gate.get("bounds"),
+        "items": f"{limit}-{2 * limit - 1}",
+        "look": summary["look"]["number"],
+    }
 
 
 def _group_modules(model: str | None, ignore: list[str]) -> dict[str, tuple[str, ...]]:
@@ -257,16 +291,24 @@ def _group_modules(model: str | None, ignore: list[str]) -> dict[str, tuple[str,
 
 
 def _try(
-    base: Path, recipe: Recipe, low: str, group_size: int | None, order: list[LayerGroup], k: int,
-    options: dict[str, Any], out: Path,
-) -> dict[str, Any]:  # fmt: skip
+    base: Path,
+    recipe: Recipe,
+    low: str,
+    group_size: int | None,
+    order: list[LayerGroup],
+    k: int,
+    options: dict[str, Any],
+    out: Path,
+) -> dict[str, Any]:
     name = f"{recipe.name}-{low.lower()}-k{k:02d}"
     recipe_file = out / "candidates" / f"{name}.yaml"
     recipe_file.parent.mkdir(parents=True, exist_ok=True)
     recipe_file.write_text(yaml.safe_dump(candidate_recipe(base, name, low, group_size, order[:k]), sort_keys=False))
     row = run_candidate(recipe_file, out / "candidates", k, options)
-    info(f"candidate k={k}: {row['verdict'].upper()}, recovery {row['recovery']:.4f}, "
-         f"quantized-layer bytes {row['layer_bytes_vs_bf16']:.3f}x bf16 ({row['seconds']:.0f}s)")  # fmt: skip
+    info(
+        f"candidate k={k}: {row['verdict'].upper()}, recovery {row['recovery']:.4f}, "
+        f"quantized-layer bytes {row['layer_bytes_vs_bf16']:.3f}x bf16 ({row['seconds']:.0f}s)"
+    )
     return row
 
 
@@ -282,10 +324,13 @@ def _finish(
     winner = best if best and result["confirmation"]["verdict"] == "pass" else None
     others = [r for r in result["candidates"] if r["verdict"] != "pass"]
     result |= {
-        "tasks": tasks, "limit": limit, "objective": objective, "winner": winner,
+        "tasks": tasks,
+        "limit": limit,
+        "objective": objective,
+        "winner": winner,
         "closest": max(others, key=lambda r: r["recovery"]) if others and not winner else None,
         "gate": f"recovery >= {result['min_recovery']} at the one-sided 95 % bound",
-    }  # fmt: skip
+    }
     if best and not winner:
         info(f"the search's best, {best['name']}, did not pass on held-out items: no recipe written")
     if winner:

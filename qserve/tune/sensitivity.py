@@ -181,5 +181,11 @@ def _group_row(model: Any, group: LayerGroup, args: Any, ref: Any, passes: Block
     finally:
         for name, w in saved.items():
             modules[name].weight.data = w
-    return {"group": group.name, "block": group.block, "kind": group.kind, "params": group.params,
-            "kl": kl, "ppl_change": ppl / base_ppl - 1}  # fmt: skip
+    return {
+        "group": group.name,
+        "block": group.block,
+        "kind": group.kind,
+        "params": group.params,
+        "kl": kl,
+        "ppl_change": ppl / base_ppl - 1,
+    }

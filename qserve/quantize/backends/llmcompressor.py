@@ -10,8 +10,6 @@ from qserve.checkpoint.schemes import SCHEMES, scheme_of_checkpoint
 from qserve.errors import QserveError
 from qserve.quantize.recipe import Recipe
 
-QUANTIZATION_METHOD = "compressed-tensors"  # vLLM's name for checkpoints this backend writes
-
 
 def build_modifiers(recipe: Recipe, model: Any = None) -> Any:
     """The llm-compressor modifiers a qserve recipe stands for (a plain recipe's own, as YAML);

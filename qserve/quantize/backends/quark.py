@@ -10,11 +10,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from qserve.checkpoint.backends import BACKENDS
 from qserve.checkpoint.schemes import SCHEMES, scheme_of_quark_checkpoint
 from qserve.errors import QserveError
 from qserve.quantize.recipe import Recipe
-
-QUANTIZATION_METHOD = "quark"  # vLLM's name for checkpoints this backend writes
 
 
 def template_name(model_path: Path, trust_remote_code: bool = False) -> str:
@@ -70,7 +69,7 @@ def exported_scheme(out_dir: Path, recipe: Recipe) -> str:
     """The scheme read back from Quark's export; it must be the one the recipe asked for."""
     config = json.loads((out_dir / "config.json").read_text()).get("quantization_config", {})
     method = config.get("quant_method")
-    if method != QUANTIZATION_METHOD:
+    if method != BACKENDS["quark"].vllm_quantization:
         raise QserveError(f"Quark exported quant_method {method!r}, not 'quark'; vLLM's Quark loader would not recognise it")
     found = scheme_of_quark_checkpoint(config)
     if found != recipe.scheme:
