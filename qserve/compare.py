@@ -16,7 +16,7 @@ from qserve.checkpoint.manifest import read_manifest, verify_files
 from qserve.checkpoint.models import baseline_model, resolve_model
 from qserve.device import detect, engine, throughput
 from qserve.errors import QserveError
-from qserve.evaluate.evaluation import evaluate
+from qserve.evaluate.evaluation import EvalOptions, evaluate
 from qserve.progress import info
 from qserve.quantize.pipeline import quantize
 from qserve.quantize.recipe import load_recipe
@@ -54,7 +54,7 @@ def compare(
             info(f"{recipe.name}: reusing {ckpt}")
         else:
             quantize(recipe_path, model=model, output=ckpt, data_dir=data_dir, force=True)
-        summary = evaluate(ckpt, tasks=tasks, limit=limit, data_dir=data_dir, measure_decode=True)
+        summary = evaluate(ckpt, EvalOptions(tasks=tasks, limit=limit, data_dir=data_dir, measure_decode=True))
         rows.append(_row(recipe.name, ckpt, summary))
     result = {
         "baseline": _baseline_row(out / f"out-{load_recipe(recipes[0])[0].name}"),

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qserve import paths
 from qserve.capture import library_output
 from qserve.checkpoint.manifest import MANIFEST_NAME, library_versions, read_manifest, verify_files
 from qserve.errors import QserveError
-from qserve.evaluate.gates import GateSpec
 from qserve.process import bounded_in_process_stop
 from qserve.progress import info
+
+if TYPE_CHECKING:
+    from qserve.evaluate.evaluation import EvalOptions
 
 
 def quantize_logged(recipe: Path, verbose: bool = False, **options: Any) -> Path:
@@ -27,14 +29,14 @@ def quantize_logged(recipe: Path, verbose: bool = False, **options: Any) -> Path
     return result.output
 
 
-def evaluate_logged(checkpoint: Path | None, verbose: bool = False, **options: Any) -> dict[str, Any]:
+def evaluate_logged(checkpoint: Path | None, options: EvalOptions, verbose: bool = False) -> dict[str, Any]:
     """`qserve eval`: the libraries' output goes to CKPT/logs/eval.log; a signal stops it within a bound."""
     from qserve.checkpoint.records import resolve_checkpoint
     from qserve.evaluate.evaluation import evaluate
 
     ckpt = resolve_checkpoint(checkpoint)
     with library_output(paths.log_file(ckpt, "eval"), verbose), bounded_in_process_stop():
-        return evaluate(ckpt, **options)
+        return evaluate(ckpt, options)
 
 
 def checkpoint_for(
@@ -108,21 +110,13 @@ def _same_calibration(recorded: dict | None, recipe: Any, data_dir: Path | None,
     return record.get("content_sha256") == recorded.get("content_sha256")
 
 
-def gate_for(
-    ckpt: Path,
-    tasks: list[str] | None = None,
-    limit: int | None = None,
-    gates: dict[str, list[GateSpec]] | None = None,
-    data_dir: Path | None = None,
-    parity: bool = True,
-    verbose: bool = False,
-) -> dict[str, Any]:
+def gate_for(ckpt: Path, options: EvalOptions, verbose: bool = False) -> dict[str, Any]:
     """`qserve run`'s second step: the eval record when one decided exactly this question on these
     files (same tasks, data, limit, gates, parity, device), else a new eval."""
     from qserve.evaluate.evaluation import reusable_eval
 
-    record = reusable_eval(ckpt, tasks=tasks, limit=limit, gates=gates, data_dir=data_dir, check_parity=parity)
+    record = reusable_eval(ckpt, options)
     if record is not None:
         info(f"reusing the eval of {ckpt} decided {record.get('decided_at')} (verdict: {record.get('verdict')})")
         return record
-    return evaluate_logged(ckpt, verbose, tasks=tasks, limit=limit, gates=gates, data_dir=data_dir, check_parity=parity)
+    return evaluate_logged(ckpt, options, verbose)

@@ -73,13 +73,12 @@ def eval_(
       qserve eval out-llama-70b-w4a16 --tasks gsm8k -tp 8
       qserve eval out-llama-70b-w4a16 --tasks gsm8k -tp 8 -pp 2 --distributed-executor-backend ray
     """
+    from qserve.evaluate.evaluation import EvalOptions
     from qserve.evaluate.gates import parse_cli_gates
     from qserve.evaluate.reports import format_table
     from qserve.workflow import evaluate_logged
 
-    summary = evaluate_logged(
-        checkpoint,
-        verbose,
+    options = EvalOptions(
         tasks=split(tasks),
         limit=limit,
         gates=parse_cli_gates(gate or []),
@@ -90,5 +89,6 @@ def eval_(
         verify_key=verify_key,
         parallel=parallel_args(tensor_parallel_size, pipeline_parallel_size, data_parallel_size, distributed_executor_backend),
     )
+    summary = evaluate_logged(checkpoint, options, verbose)
     typer.echo(json.dumps(summary, indent=2) if as_json else format_table(summary))
     raise typer.Exit(verdict_exit(summary))

@@ -64,6 +64,7 @@ def run(
       qserve run recipes/w8a8-int8.yaml --tasks gsm8k_ppl --limit 100
       qserve run recipes/w4a16-gptq.yaml --tasks gsm8k_ppl --limit 100 --port 8001 -- --max-num-seqs 8
     """
+    from qserve.evaluate.evaluation import EvalOptions
     from qserve.evaluate.gates import parse_cli_gates
     from qserve.evaluate.reports import format_table
     from qserve.serve.plan import check_before_work
@@ -76,7 +77,8 @@ def run(
     ckpt = checkpoint_for(
         recipe, model=model, output=output, data_dir=data_dir, trust_remote_code=trust_remote_code, verbose=verbose
     )
-    summary = gate_for(ckpt, tasks=split(tasks), limit=limit, gates=gates, data_dir=data_dir, parity=parity, verbose=verbose)
+    options = EvalOptions(tasks=split(tasks), limit=limit, gates=gates, data_dir=data_dir, check_parity=parity)
+    summary = gate_for(ckpt, options, verbose)
     typer.echo(format_table(summary))
     if summary["verdict"] != "pass":
         typer.echo(f"error: {ckpt} did not pass its gate (verdict: {summary['verdict']}); not serving it", err=True)

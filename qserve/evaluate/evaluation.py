@@ -25,6 +25,32 @@ from qserve.evaluate.tasks import TaskDef, get_tasks, lm_eval_config
 from qserve.progress import info, step
 
 
+@dataclass(frozen=True)
+class EvalOptions:
+    """What an eval is asked (the defaults are `qserve eval`'s).
+
+    `kv_cache_dtype`, if given, must match the checkpoint; with `verify_key`, the checkpoint must
+    carry a signature by it over exactly its files. `parallel`: vLLM parallelism for both engines
+    (tensor_parallel_size, pipeline_parallel_size, data_parallel_size (through Ray, as lm-eval runs
+    it), distributed_executor_backend). `offset`: evaluate items offset .. offset + limit (held-out
+    items, as `qserve tune` confirms on). `purpose` "gate" counts as a look at these weights
+    (looks.py); "tune search" does not, and serve refuses it.
+    """
+
+    tasks: list[str] | None = None
+    limit: int | None = None
+    gates: dict[str, list[GateSpec]] | None = None
+    data_dir: str | Path | None = None
+    refresh_baseline: bool = False
+    check_parity: bool = True
+    measure_decode: bool = False
+    kv_cache_dtype: str | None = None
+    verify_key: Path | None = None
+    parallel: dict[str, Any] | None = None
+    offset: int = 0
+    purpose: str = "gate"
+
+
 @dataclass
 class _Plan:
     """What one eval decides on: the checkpoint, its tasks and gates, and which engine runs them."""
@@ -54,72 +80,48 @@ class _Baseline:
     cached: dict[str, dict]
 
 
-def evaluate(
-    checkpoint: str | Path | None = None,
-    tasks: list[str] | None = None,
-    limit: int | None = None,
-    gates: dict[str, list[GateSpec]] | None = None,
-    data_dir: str | Path | None = None,
-    refresh_baseline: bool = False,
-    check_parity: bool = True,
-    measure_decode: bool = False,
-    kv_cache_dtype: str | None = None,
-    verify_key: Path | None = None,
-    parallel: dict[str, Any] | None = None,
-    offset: int = 0,
-    purpose: str = "gate",
-) -> dict[str, Any]:
+def evaluate(checkpoint: str | Path | None = None, options: EvalOptions | None = None) -> dict[str, Any]:
     """Evaluate a checkpoint against its (cached) baseline, apply the gates, write the reports.
 
     Where vLLM cannot run the scheme on this device, both sides go through transformers and
-    the summary says `emulated: true`. `kv_cache_dtype`, if given, must match the checkpoint; with
-    `verify_key`, the checkpoint must carry a signature by it over exactly its files. `parallel`:
-    vLLM parallelism for both engines (tensor_parallel_size, pipeline_parallel_size,
-    data_parallel_size (through Ray, as lm-eval runs it), distributed_executor_backend). `offset`:
-    evaluate items offset .. offset + limit (held-out items, as `qserve tune` confirms on). `purpose`
-    "gate" counts as a look at these weights (looks.py); "tune search" does not, and serve refuses it.
+    the summary says `emulated: true`.
     """
-    plan = _plan(checkpoint, tasks, gates, data_dir, kv_cache_dtype, verify_key, parallel)
-    window = Window(limit, offset)
+    options = options or EvalOptions()
+    plan = _plan(checkpoint, options)
+    window = Window(options.limit, options.offset)
     started = time.monotonic()
-    base_side = _baseline_side(plan, window, refresh_baseline)
-    quant, parity_result, extra = _quantized_run(
-        plan.ckpt, plan.manifest, plan.device, list(plan.configs.values()), window, plan.emulated, check_parity, measure_decode
-    )
-    label = f"the baseline {plan.manifest.source_model['id']}"
-    base = _baseline_run(
-        base_side.model.path,
-        label,
-        base_side.args,
-        plan.device,
-        plan.configs,
-        window,
-        base_side.keys,
-        base_side.cached,
-        plan.emulated,
-    )
-    look = _look(plan.manifest, purpose)
+    base_side = _baseline_side(plan, window, options.refresh_baseline)
+    quant, parity_result, extra = _quantized_run(plan, window, options)
+    base = _baseline_run(plan, base_side, window)
+    look = _look(plan.manifest, options.purpose)
     decided = [_decide(t, spec, base, quant, look["level"]) for t in plan.tasks for spec in plan.specs[t.name]]
     final = verdict(decided)
     if "fail" in (parity_result["status"], extra["kv_cache"]["status"]):
         final = "fail"
-    summary = _summary(plan, base_side, quant, base, decided, final, parity_result, extra, limit, refresh_baseline)
-    summary |= {"offset": offset, "purpose": purpose, "look": look, "request": _request(plan, limit, check_parity, offset)}
+    outcome = _Outcome(quant, base, decided, final, parity_result, extra)
+    summary = _summary(plan, base_side, outcome, options)
+    summary |= {"offset": options.offset, "purpose": options.purpose, "look": look, "request": _request(plan, options)}
     summary["timings"]["total_seconds"] = round(time.monotonic() - started, 2)
-    if purpose == "gate":
+    if options.purpose == "gate":
         looks.record(
             plan.manifest,
-            {
-                "decided_at": summary["decided_at"],
-                "tasks": summary["tasks"],
-                "limit": limit,
-                "offset": offset,
-                "verdict": final,
-                "level": look["level"],
-            },
+            {key: summary[key] for key in ("decided_at", "tasks", "limit", "offset")}
+            | {"verdict": final, "level": look["level"]},
         )
     reports.write_all(plan.ckpt, plan.manifest, summary, {"quantized": quant.raw, "baseline": base.raw})
     return summary
+
+
+@dataclass
+class _Outcome:
+    """What the two engine runs and the gates gave."""
+
+    quant: EngineRun
+    base: EngineRun
+    decided: list[Gate]
+    final: str
+    parity: dict[str, Any]
+    extra: dict[str, Any]
 
 
 def _look(manifest: Manifest, purpose: str) -> dict[str, Any]:
@@ -135,67 +137,54 @@ def _look(manifest: Manifest, purpose: str) -> dict[str, Any]:
     return {"number": number, "level": looks.level(number), "earlier": earlier, "counted": True}
 
 
-def reusable_eval(
-    checkpoint: str | Path,
-    tasks: list[str] | None = None,
-    limit: int | None = None,
-    gates: dict[str, list[GateSpec]] | None = None,
-    data_dir: str | Path | None = None,
-    check_parity: bool = True,
-) -> dict[str, Any] | None:
+def reusable_eval(checkpoint: str | Path, options: EvalOptions | None = None) -> dict[str, Any] | None:
     """The checkpoint's eval record if re-running this eval would decide the same question: bound
     to the current manifest (files verified), same tasks, task configs and data contents, limit,
     gates and parity. None otherwise (or when there is no record)."""
     from qserve.checkpoint.records import read_eval
 
+    options = options or EvalOptions()
     record = read_eval(Path(checkpoint))
     if record is None or record.get("manifest_sha256") != manifest_digest(Path(checkpoint)):
         return None
-    plan = _plan(checkpoint, tasks, gates, data_dir, None)
-    return record if record.get("request") == _request(plan, limit, check_parity) else None
+    plan = _plan(checkpoint, options)
+    return record if record.get("request") == _request(plan, options) else None
 
 
-def _request(plan: _Plan, limit: int | None, check_parity: bool, offset: int = 0) -> dict[str, Any]:
+def _request(plan: _Plan, options: EvalOptions) -> dict[str, Any]:
     """What an eval was asked to decide; equal requests on the same manifest decide the same thing."""
     return baselines.stable(
         {
             "tasks": [t.name for t in plan.tasks],
             "task_configs": {n: baselines.with_data_hashes(c) for n, c in plan.configs.items()},
-            "limit": limit,
-            **({"offset": offset} if offset else {}),
+            "limit": options.limit,
+            **({"offset": options.offset} if options.offset else {}),
             "gates": {n: [s.model_dump() for s in specs] for n, specs in plan.specs.items()},
-            "parity": check_parity,
+            "parity": options.check_parity,
             "device": detect.fingerprint(plan.device),
         }
     )
 
 
-def _plan(
-    checkpoint: str | Path | None,
-    tasks: list[str] | None,
-    gates: dict[str, list[GateSpec]] | None,
-    data_dir: str | Path | None,
-    kv_cache_dtype: str | None,
-    verify_key: Path | None = None,
-    parallel: dict[str, Any] | None = None,
-) -> _Plan:
+def _plan(checkpoint: str | Path | None, options: EvalOptions) -> _Plan:
     """Checks before any engine starts: integrity, flags, tasks and their gates, the device."""
     ckpt = resolve_checkpoint(checkpoint)
     manifest = read_manifest(ckpt)
     verify_files(ckpt, manifest)
-    if verify_key is not None:
-        signing.verify(ckpt, verify_key)
-    flags.check_user_args(ckpt, manifest, {"--kv-cache-dtype": kv_cache_dtype})
+    if options.verify_key is not None:
+        signing.verify(ckpt, options.verify_key)
+    flags.check_user_args(ckpt, manifest, {"--kv-cache-dtype": options.kv_cache_dtype})
+    gates = options.gates
     recipe_gates = {t: normalize(v) for t, v in (manifest.recipe.get("gates") or {}).items()}
-    task_defs = get_tasks(tasks or list(recipe_gates) or ["gsm8k"])
+    task_defs = get_tasks(options.tasks or list(recipe_gates) or ["gsm8k"])
     _check_gated_tasks(gates or {}, [t.name for t in task_defs])
     specs = {
         t.name: (gates or {}).get(t.name) or recipe_gates.get(t.name) or [GateSpec(min_recovery=DEFAULT_MIN_RECOVERY)]
         for t in task_defs
     }
-    root = paths.data_dir(data_dir)
+    root = paths.data_dir(options.data_dir)
     configs = {t.name: lm_eval_config(t, root) for t in task_defs}
-    device = detect.detect_device().with_parallel(parallel)
+    device = detect.detect_device().with_parallel(options.parallel)
     support.check_dtype(manifest, device.kind, device.detail)
     runnable = support.vllm_support(manifest, device.kind)
     if not runnable.runs:
@@ -232,20 +221,10 @@ def _baseline_side(plan: _Plan, window: Window, refresh: bool) -> _Baseline:
     return _Baseline(model, args, kwargs, sha, keys, cached)
 
 
-def _summary(
-    plan: _Plan,
-    base_side: _Baseline,
-    quant: EngineRun,
-    base: EngineRun,
-    decided: list[Gate],
-    final: str,
-    parity_result: dict[str, Any],
-    extra: dict[str, Any],
-    limit: int | None,
-    refresh: bool,
-) -> dict[str, Any]:
+def _summary(plan: _Plan, base_side: _Baseline, outcome: _Outcome, options: EvalOptions) -> dict[str, Any]:
     """The eval record (qserve_eval.json): every report and `qserve serve` read it."""
     manifest, trc = plan.manifest, plan.manifest.vllm_args.trust_remote_code
+    quant, base = outcome.quant, outcome.base
     quantized_args = (
         fallback.lm_kwargs(plan.ckpt, manifest.vllm_args.quantization, trc) if plan.emulated else manifest.vllm_args.model_dump()
     )
@@ -253,18 +232,18 @@ def _summary(
         "checkpoint": str(plan.ckpt.resolve()),
         "manifest_sha256": manifest_digest(plan.ckpt),
         "decided_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "verdict": final,
-        "gates": [asdict(g) for g in decided],
-        "parity": parity_result,
-        "kv_cache": extra["kv_cache"],
+        "verdict": outcome.final,
+        "gates": [asdict(g) for g in outcome.decided],
+        "parity": outcome.parity,
+        "kv_cache": outcome.extra["kv_cache"],
         "emulated": plan.emulated,  # true: scores come from transformers, not vLLM
         "engine": "transformers" if plan.emulated else "vllm",
         "vllm_support": asdict(plan.runnable),
-        "decode": extra["decode"],
+        "decode": outcome.extra["decode"],
         "scheme": manifest.scheme,
         "recipe": manifest.recipe.get("name"),
         "tasks": [t.name for t in plan.tasks],
-        "limit": limit,
+        "limit": options.limit,
         "n_samples": {n: (quant.raw.get("n-samples") or {}).get(n) for n in plan.configs},
         "device": asdict(plan.device),
         "engine_args": {
@@ -275,34 +254,27 @@ def _summary(
         "baseline_cache": {
             "hits": sorted(base_side.cached),
             "misses": sorted(set(plan.configs) - set(base_side.cached)),
-            "refresh": refresh,
+            "refresh": options.refresh_baseline,
         },
         "versions": manifest.versions | {"lm-eval": library_versions()["lm-eval"]},
         "timings": {"quantized_eval_seconds": quant.seconds, "baseline_eval_seconds": base.seconds},
     }
 
 
-def _quantized_run(
-    ckpt: Path,
-    manifest: Manifest,
-    device: detect.Device,
-    configs: list[dict],
-    window: Window,
-    emulated: bool,
-    check_parity: bool,
-    measure_decode: bool,
-) -> tuple[EngineRun, dict[str, Any], dict[str, Any]]:
+def _quantized_run(plan: _Plan, window: Window, options: EvalOptions) -> tuple[EngineRun, dict[str, Any], dict[str, Any]]:
     """lm-eval on the checkpoint, plus what shares its vLLM engine: parity, decode speed, KV scales."""
+    ckpt, manifest, emulated, check_parity = plan.ckpt, plan.manifest, plan.emulated, options.check_parity
 
     def on_engine(lm: Any) -> dict[str, Any]:
         return {
             "generations": parity.vllm_generations(lm) if check_parity else None,
-            "decode": throughput.decode_throughput(lm) if measure_decode else None,
+            "decode": throughput.decode_throughput(lm) if options.measure_decode else None,
             "kv_cache": kv_scales.check_kv_scales(kv_scales.kv_scales(lm), manifest.vllm_args.kv_cache_dtype),
         }
 
     label = "the quantized checkpoint"
-    quant = run_lm_eval(ckpt, manifest.vllm_args, device, configs, window, label, None if emulated else on_engine, emulated)
+    configs = list(plan.configs.values())
+    quant = run_lm_eval(ckpt, manifest.vllm_args, plan.device, configs, window, label, None if emulated else on_engine, emulated)
     extra = quant.extra or {"generations": None, "decode": None, "kv_cache": _skipped("emulated: no vLLM engine")}
     if emulated:
         parity_result = _skipped("emulated: vLLM cannot run this scheme here, so there is no engine to compare")
@@ -330,24 +302,17 @@ def _parity(ckpt: Path, manifest: Manifest, generations: list) -> dict[str, Any]
     return result
 
 
-def _baseline_run(
-    model_path: Path,
-    label: str,
-    args: VllmArgs,
-    device: detect.Device,
-    configs: dict,
-    window: Window,
-    keys: dict,
-    cached: dict,
-    emulated: bool = False,
-) -> EngineRun:
+def _baseline_run(plan: _Plan, side: _Baseline, window: Window) -> EngineRun:
     """Cached tasks from the cache; the rest through one baseline engine, then stored."""
+    configs, keys, cached = plan.configs, side.keys, side.cached
+    label = f"the baseline {plan.manifest.source_model['id']}"
     for name in cached:
         info(f"baseline for {name}: cached ({baselines.entry_path(keys[name]).name})")
     missing = [n for n in configs if n not in cached]
     run = EngineRun(raw={})
     if missing:
-        run = run_lm_eval(model_path, args, device, [configs[n] for n in missing], window, label, emulated=emulated)
+        todo = [configs[n] for n in missing]
+        run = run_lm_eval(side.model.path, side.args, plan.device, todo, window, label, emulated=plan.emulated)
         for name in missing:
             baselines.store(keys[name], _task_slice(run.raw, name), run.items.get(name, {}))
     for name, entry in cached.items():

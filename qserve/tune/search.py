@@ -119,21 +119,15 @@ def run_candidate(recipe_file: Path, out: Path, k: int, options: dict[str, Any])
     """Quantize one candidate and gate it in vLLM; its row for the Pareto table."""
     from qserve.checkpoint.inspection import inspect_checkpoint
     from qserve.checkpoint.tensors import quantized_layer_bytes
-    from qserve.evaluate.evaluation import evaluate
+    from qserve.evaluate.evaluation import EvalOptions, evaluate
     from qserve.quantize.pipeline import quantize
 
     start = time.monotonic()
     name = recipe_file.stem
     ckpt = out / name
     quantize(recipe_file, model=options["model"], output=ckpt, data_dir=options["data_dir"], force=ckpt.exists(), remember=False)
-    summary = evaluate(
-        ckpt,
-        tasks=options["tasks"],
-        limit=options["limit"],
-        data_dir=options["data_dir"],
-        measure_decode=True,
-        purpose="tune search",
-    )
+    asked = {k: options[k] for k in ("tasks", "limit", "data_dir")}
+    summary = evaluate(ckpt, EvalOptions(**asked, measure_decode=True, purpose="tune search"))
     gate = summary["gates"][0]
     return {
         "name": name,
@@ -261,10 +255,10 @@ def _search(
 
 def _confirm(best: dict[str, Any], tasks: list[str] | None, limit: int | None, data_dir: Any) -> dict[str, Any]:
     """The search's best, gated on the `limit` items after those the search chose it on."""
-    from qserve.evaluate.evaluation import evaluate
+    from qserve.evaluate.evaluation import EvalOptions, evaluate
 
     info(f"confirming {best['name']} on held-out items {limit}-{2 * limit - 1} (the search chose it on items 0-{limit - 1})")
-    summary = evaluate(best["checkpoint"], tasks=tasks, limit=limit, data_dir=data_dir, offset=limit)
+    summary = evaluate(best["checkpoint"], EvalOptions(tasks=tasks, limit=limit, data_dir=data_dir, offset=limit))
     gate = summary["gates"][0]
     info(f"confirmation: {summary['verdict'].upper()}, recovery {gate['recovery']:.4f} on items {limit}-{2 * limit - 1}")
     return {
