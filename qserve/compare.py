@@ -18,7 +18,7 @@ from qserve.device import detect, engine, throughput
 from qserve.errors import QserveError
 from qserve.evaluate.evaluation import EvalOptions, evaluate
 from qserve.progress import info
-from qserve.quantize.pipeline import quantize
+from qserve.quantize.pipeline import QuantizeOptions, quantize
 from qserve.quantize.recipe import load_recipe
 
 RESULT_NAME = "compare.json"
@@ -53,7 +53,7 @@ def compare(
         if reusable(ckpt, sha, model_id):
             info(f"{recipe.name}: reusing {ckpt}")
         else:
-            quantize(recipe_path, model=model, output=ckpt, data_dir=data_dir, force=True)
+            quantize(recipe_path, QuantizeOptions(model, ckpt, data_dir, force=True))
         summary = evaluate(ckpt, EvalOptions(tasks=tasks, limit=limit, data_dir=data_dir, measure_decode=True))
         rows.append(_row(recipe.name, ckpt, summary))
     result = {

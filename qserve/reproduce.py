@@ -20,7 +20,7 @@ def reproduce(checkpoint: str | Path, data_dir: str | Path | None = None, keep: 
 
     The re-run is written to a scratch directory (to `keep` if given, else deleted afterwards).
     """
-    from qserve.quantize.pipeline import quantize
+    from qserve.quantize.pipeline import QuantizeOptions, quantize
 
     ckpt = Path(checkpoint)
     manifest = read_manifest(ckpt)
@@ -35,8 +35,7 @@ def reproduce(checkpoint: str | Path, data_dir: str | Path | None = None, keep: 
         recipe.write_text(yaml.safe_dump(recorded, sort_keys=False))
         out = keep or scratch / ckpt.resolve().name
         info(f"re-running {ckpt}'s recipe into {out}")
-        again = quantize(
-            recipe,
+        options = QuantizeOptions(
             model=_recorded_model(manifest),
             output=out,
             data_dir=data_dir,
@@ -44,7 +43,8 @@ def reproduce(checkpoint: str | Path, data_dir: str | Path | None = None, keep: 
             trust_remote_code=manifest.vllm_args.trust_remote_code,
             remember=False,
             nproc=execution.get("nproc", 1),
-        ).manifest
+        )
+        again = quantize(recipe, options).manifest
         return compare(ckpt, manifest, out, again)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -16,15 +16,16 @@ from qserve.progress import info
 
 if TYPE_CHECKING:
     from qserve.evaluate.evaluation import EvalOptions
+    from qserve.quantize.pipeline import QuantizeOptions
 
 
-def quantize_logged(recipe: Path, verbose: bool = False, **options: Any) -> Path:
+def quantize_logged(recipe: Path, options: QuantizeOptions | None = None, verbose: bool = False) -> Path:
     """`qserve quantize`: the libraries' output goes to CKPT/logs/quantize.log (the cache's logs/ on failure)."""
     from qserve.quantize.pipeline import quantize
 
     log = paths.cache_dir() / "logs" / f"quantize-{os.getpid()}.log"  # the checkpoint does not exist yet
     with library_output(log, verbose):
-        result = quantize(recipe, **options)
+        result = quantize(recipe, options)
     paths.keep_log(log, result.output, "quantize")
     return result.output
 
@@ -49,7 +50,7 @@ def checkpoint_for(
 ) -> Path:
     """`qserve run`'s first step: the recipe's checkpoint, reused when it is still what this recipe,
     model, data and library versions would make, quantized (replacing a stale one) otherwise."""
-    from qserve.quantize.pipeline import default_output
+    from qserve.quantize.pipeline import QuantizeOptions, default_output
     from qserve.quantize.recipe import load_recipe
 
     parsed, _ = load_recipe(recipe)
@@ -60,9 +61,8 @@ def checkpoint_for(
         paths.remember_checkpoint(out)
         return out
     info(f"quantizing: {stale}")
-    return quantize_logged(
-        recipe, verbose, model=model, output=out, data_dir=data_dir, force=out.exists(), trust_remote_code=trust_remote_code
-    )
+    options = QuantizeOptions(model, out, data_dir, force=out.exists(), trust_remote_code=trust_remote_code)
+    return quantize_logged(recipe, options, verbose)
 
 
 def why_stale(out: Path, recipe: Path, model: str | None, data_dir: Path | None, trust_remote_code: bool) -> str | None:

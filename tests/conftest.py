@@ -189,9 +189,10 @@ def quantize_in_process(recipe: Path, out: Path) -> Path:
     """What `qserve quantize RECIPE --output OUT` runs, called in the test process: the session's
     checkpoints pay llm-compressor's and Quark's imports (~15 s and ~30 s) once, not once each.
     The CLI itself is tested in test_quantize; tune's search shows in-process runs give the same bits."""
+    from qserve.quantize.pipeline import QuantizeOptions
     from qserve.workflow import quantize_logged
 
-    assert quantize_logged(recipe, output=out) == out
+    assert quantize_logged(recipe, QuantizeOptions(output=out)) == out
     assert (out / MANIFEST_NAME).is_file() and (out / "logs" / "quantize.log").is_file()
     return out
 

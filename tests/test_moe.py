@@ -86,11 +86,12 @@ def moe_model(tmp_path_factory, embedded_model_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def moe_ckpt(moe_model, tmp_path_factory) -> Path:
+    from qserve.quantize.pipeline import QuantizeOptions
     from qserve.workflow import quantize_logged
 
     root = tmp_path_factory.mktemp("moe-ckpt")
     out = root / "out"
-    assert quantize_logged(recipe_file(root), model=str(moe_model), output=out, remember=False) == out
+    assert quantize_logged(recipe_file(root), QuantizeOptions(str(moe_model), out, remember=False)) == out
     return out
 
 

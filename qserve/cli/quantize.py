@@ -56,12 +56,11 @@ def quantize(
       qserve quantize recipes/w4a16-gptq.yaml --model ./llama-70b --nproc 8
       qserve quantize recipes/w4a16-gptq.yaml --model /shared/llama-70b --nproc 8 --nnodes 2 --rdzv-endpoint node0:29500
     """
+    from qserve.quantize.pipeline import QuantizeOptions
     from qserve.workflow import quantize_logged
 
     nodes = {"nnodes": nnodes, "rdzv_endpoint": rdzv_endpoint} if nnodes > 1 else {}
-    out = quantize_logged(
-        recipe,
-        verbose,
+    options = QuantizeOptions(
         model=model,
         output=output,
         data_dir=data_dir,
@@ -70,6 +69,7 @@ def quantize(
         nproc=nproc,
         nodes=nodes,
     )
+    out = quantize_logged(recipe, options, verbose)
     typer.echo(str(out))
 
 

@@ -133,16 +133,14 @@ def serve_cell(cell: Cell, out: Path) -> None:
 
 def _quantize(cell: Cell, model: Path, out: Path, log: Path, data_dir: Path | None) -> Any:
     """The shipped recipe through qserve's own quantize; qserve's refusal makes the cell "refused"."""
-    from qserve.quantize.pipeline import quantize
+    from qserve.quantize.pipeline import QuantizeOptions, quantize
 
     recipe = RECIPES / cells.COLUMNS[cell.column]
     with Timer(cell, "quantize"):
         return _logged(
             cell,
             log,
-            lambda: (
-                quantize(recipe, model=str(model), output=out, data_dir=data_dir, force=out.exists(), remember=False).manifest
-            ),
+            lambda: quantize(recipe, QuantizeOptions(str(model), out, data_dir, force=out.exists(), remember=False)).manifest,
         )
 
 

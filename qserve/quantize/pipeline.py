@@ -55,44 +55,53 @@ def default_output(recipe: Recipe) -> Path:
     return Path(recipe.output or f"out-{recipe.name}")
 
 
-def quantize(
-    recipe_path: str | Path,
-    model: str | None = None,
-    output: str | Path | None = None,
-    data_dir: str | Path | None = None,
-    force: bool = False,
-    trust_remote_code: bool = False,
-    remember: bool = True,
-    nproc: int = 1,
-    nodes: dict[str, Any] | None = None,
-) -> QuantizeResult:
-    """Quantize `model` with the recipe and write a checkpoint plus manifest into `output`.
+@dataclass(frozen=True)
+class QuantizeOptions:
+    """How a recipe is run (the defaults are `qserve quantize`'s).
 
-    `remember` makes it the checkpoint `qserve eval` uses when given none. `nproc` > 1 calibrates
-    data-parallel under torchrun; `nodes` (nnodes, node_rank, rdzv_endpoint) spans machines.
+    `model` and `output` win over the recipe's. `remember` makes the result the checkpoint
+    `qserve eval` uses when given none. `nproc` > 1 calibrates data-parallel under torchrun; `nodes`
+    (nnodes, node_rank, rdzv_endpoint) spans machines.
     """
+
+    model: str | None = None
+    output: str | Path | None = None
+    data_dir: str | Path | None = None
+    force: bool = False
+    trust_remote_code: bool = False
+    remember: bool = True
+    nproc: int = 1
+    nodes: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One checked quantization: the model, the recipe as it will run, its data and how it runs."""
+
+    ref: ModelRef
+    recipe: Recipe
+    source: RecipeSource
+    texts: list[str] | None
+    calibration: dict[str, Any] | None
+    run: Execution
+    options: QuantizeOptions
+
+
+def quantize(recipe_path: str | Path, options: QuantizeOptions | None = None) -> QuantizeResult:
+    """Quantize the model with the recipe and write a checkpoint plus manifest (default out-<name>)."""
+    options = options or QuantizeOptions()
     recipe, recipe_sha = load_recipe(recipe_path)
-    out = Path(output) if output else default_output(recipe)
-    if out.exists() and not force:
+    out = Path(options.output) if options.output else default_output(recipe)
+    if out.exists() and not options.force:
         raise QserveError(f"output {out} already exists; pass --force to replace it or --output to choose another")
-    ref = resolve_model(model or recipe.model)
+    ref = resolve_model(options.model or recipe.model)
     check_output(out, ref.path)
-    undo_vllm_decorations()  # tune and the matrix quantize in a process where vLLM ran before
-    recipe = architecture.with_routers_ignored(ref.path, recipe, trust_remote_code)
-    check_shapes(ref.path, recipe, trust_remote_code)
-    check_moe(ref.path, recipe, trust_remote_code)
-    architecture.check_dtype(ref.path, recipe)
-    architecture.check_mappings(ref.path, recipe, trust_remote_code)
-    recipe = with_default_calibration(recipe)
-    run = choose(recipe, ref.path, nproc, (nodes or {}).get("nnodes", 1))
+    recipe = _checked_for_model(recipe, ref.path, options.trust_remote_code)
+    run = choose(recipe, ref.path, options.nproc, (options.nodes or {}).get("nnodes", 1))
     if run.path != "in_memory":  # the usual path stays quiet; the manifest records it either way
         info(f"execution: {run.path} ({run.reason})")
-
-    texts, calib_record = None, None
-    if recipe.calibration is not None:
-        from qserve.quantize.calibration import load_texts
-
-        texts, calib_record = load_texts(recipe.calibration, paths.data_dir(data_dir), ref.path)
+    texts, calib_record = _calibration_texts(recipe, options.data_dir, ref.path)
+    job = _Job(ref, recipe, RecipeSource(recipe_path, recipe_sha), texts, calib_record, run, options)
 
     # Build next to the target in a directory of this run's own, and move it into place only
     # when complete: a crash, a Ctrl-C or a concurrent run never leaves a directory at `out`
@@ -104,18 +113,39 @@ def quantize(
     partial.chmod(0o777 & ~umask)  # mkdtemp's 0700 would make the checkpoint private
     try:
         with _terminate_as_interrupt():
-            manifest = _run(
-                ref, recipe, RecipeSource(recipe_path, recipe_sha), texts, calib_record, partial, trust_remote_code, run, nodes
-            )
+            manifest = _run(job, partial)
         # The card names the final directory; `qserve eval` rewrites it with results. Not hashed.
         write_text(partial / CARD_NAME, model_card(out, manifest, None))
-        publish(partial, out, force)
+        publish(partial, out, options.force)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
-    if remember:
+    if options.remember:
         paths.remember_checkpoint(out)
     info(f"checkpoint written to {out}")
     return QuantizeResult(out, manifest)
+
+
+def _checked_for_model(recipe: Recipe, model_path: Path, trust_remote_code: bool) -> Recipe:
+    """The recipe as it will run on this model (routers ignored, default calibration), refused
+    before any work where the model's shapes, experts, dtype or layer mappings cannot take it."""
+    undo_vllm_decorations()  # tune and the matrix quantize in a process where vLLM ran before
+    recipe = architecture.with_routers_ignored(model_path, recipe, trust_remote_code)
+    check_shapes(model_path, recipe, trust_remote_code)
+    check_moe(model_path, recipe, trust_remote_code)
+    architecture.check_dtype(model_path, recipe)
+    architecture.check_mappings(model_path, recipe, trust_remote_code)
+    return with_default_calibration(recipe)
+
+
+def _calibration_texts(
+    recipe: Recipe, data_dir: str | Path | None, model_path: Path
+) -> tuple[list[str] | None, dict[str, Any] | None]:
+    """The calibration samples and their record (None, None for a data-free recipe)."""
+    if recipe.calibration is None:
+        return None, None
+    from qserve.quantize.calibration import load_texts
+
+    return load_texts(recipe.calibration, paths.data_dir(data_dir), model_path)
 
 
 def check_output(out: Path, source: Path) -> None:
@@ -160,17 +190,9 @@ def publish(partial: Path, out: Path, force: bool) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _run(
-    ref: ModelRef,
-    recipe: Recipe,
-    source: RecipeSource,
-    texts: list[str] | None,
-    calib_record: dict[str, Any] | None,
-    partial: Path,
-    trust_remote_code: bool,
-    run: Execution,
-    nodes: dict[str, Any] | None,
-) -> Manifest:
+def _run(job: _Job, partial: Path) -> Manifest:
+    ref, recipe, source, texts, calib_record, run = job.ref, job.recipe, job.source, job.texts, job.calibration, job.run
+    trust_remote_code, nodes = job.options.trust_remote_code, job.options.nodes
     start = time.monotonic()
     label = f"quantizing {ref.id}: {recipe.label}"
     label += f" on {len(texts)} calibration samples" if texts else " (data-free)"

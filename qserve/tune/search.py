@@ -120,12 +120,12 @@ def run_candidate(recipe_file: Path, out: Path, k: int, options: dict[str, Any])
     from qserve.checkpoint.inspection import inspect_checkpoint
     from qserve.checkpoint.tensors import quantized_layer_bytes
     from qserve.evaluate.evaluation import EvalOptions, evaluate
-    from qserve.quantize.pipeline import quantize
+    from qserve.quantize.pipeline import QuantizeOptions, quantize
 
     start = time.monotonic()
     name = recipe_file.stem
     ckpt = out / name
-    quantize(recipe_file, model=options["model"], output=ckpt, data_dir=options["data_dir"], force=ckpt.exists(), remember=False)
+    quantize(recipe_file, QuantizeOptions(options["model"], ckpt, options["data_dir"], force=ckpt.exists(), remember=False))
     asked = {k: options[k] for k in ("tasks", "limit", "data_dir")}
     summary = evaluate(ckpt, EvalOptions(**asked, measure_decode=True, purpose="tune search"))
     gate = summary["gates"][0]
