@@ -152,7 +152,7 @@ def serve_vs_vllm(ckpt: Path) -> dict[str, Any]:
     """The same load through `qserve serve` and through `vllm serve` with the same arguments."""
     from qserve.checkpoint.manifest import read_manifest
     from qserve.serve.bench import Load, run_load
-    from qserve.serve.plan import plan
+    from qserve.serve.plan import Endpoint, plan
     from qserve.serve.server import free_port, running
 
     manifest = read_manifest(ckpt)
@@ -160,7 +160,7 @@ def serve_vs_vllm(ckpt: Path) -> dict[str, Any]:
     load = Load()
     results: dict[str, list[dict]] = {"qserve": [], "vllm": []}
     for side in ("vllm", "qserve", "vllm", "qserve"):  # interleaved, so drift hits both sides
-        p = plan(ckpt, manifest, device, "127.0.0.1", free_port())
+        p = plan(ckpt, manifest, device, Endpoint(port=free_port()))
         port = p.url.rsplit(":", 1)[1]
         command = (
             p.command

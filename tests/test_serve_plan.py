@@ -10,7 +10,7 @@ from conftest import ALLOWED_USES
 from qserve.checkpoint.manifest import Manifest, VllmArgs
 from qserve.device.detect import Device
 from qserve.errors import QserveError
-from qserve.serve.plan import plan
+from qserve.serve.plan import Endpoint, plan
 
 CPU = Device("cpu", "test")
 GPU = Device("cuda", "test GPU")
@@ -45,7 +45,7 @@ def flags(cmd: list[str]) -> dict[str, str | None]:
 
 
 def test_matched_arguments_and_loopback_default(tmp_path: Path) -> None:
-    p = plan(tmp_path / "ck", manifest(), CPU, "127.0.0.1", 8000)
+    p = plan(tmp_path / "ck", manifest(), CPU, Endpoint())
     f = flags(p.command)
     assert p.command[1:5] == ["-m", "qserve.device.vllm_cli", "serve", str((tmp_path / "ck").resolve())]
     assert (f["--quantization"], f["--kv-cache-dtype"], f["--dtype"]) == ("compressed-tensors", "auto", "bfloat16")
@@ -56,7 +56,7 @@ def test_matched_arguments_and_loopback_default(tmp_path: Path) -> None:
 
 def test_scale_out_flags_pass_through_on_gpu(tmp_path: Path) -> None:
     extra = ["--tensor-parallel-size", "8", "--pipeline-parallel-size=2", "--distributed-executor-backend", "ray"]
-    p = plan(tmp_path / "ck", manifest(), GPU, "0.0.0.0", 9000, extra_args=extra)
+    p = plan(tmp_path / "ck", manifest(), GPU, Endpoint("0.0.0.0", 9000), extra_args=extra)
     f = flags(p.command)
     assert (f["--tensor-parallel-size"], f["--pipeline-parallel-size"], f["--distributed-executor-backend"]) == ("8", "2", "ray")
     assert "--enforce-eager" not in f and "--kv-cache-memory-bytes" not in f
@@ -64,15 +64,13 @@ def test_scale_out_flags_pass_through_on_gpu(tmp_path: Path) -> None:
 
 
 def test_user_overrides_qserve_defaults_once(tmp_path: Path) -> None:
-    p = plan(
-        tmp_path / "ck", manifest(), CPU, "127.0.0.1", 8000, extra_args=["--max-model-len", "4096", "--served-model-name", "m"]
-    )
+    p = plan(tmp_path / "ck", manifest(), CPU, Endpoint(), extra_args=["--max-model-len", "4096", "--served-model-name", "m"])
     assert p.command.count("--max-model-len") == 1 and flags(p.command)["--max-model-len"] == "4096"
     assert p.model_name == "m"
 
 
 def test_agreeing_matched_flag_is_accepted_once(tmp_path: Path) -> None:
-    p = plan(tmp_path / "ck", manifest(), CPU, "127.0.0.1", 8000, extra_args=["--dtype=bfloat16"])
+    p = plan(tmp_path / "ck", manifest(), CPU, Endpoint(), extra_args=["--dtype=bfloat16"])
     assert p.command.count("--dtype") == 1
 
 
@@ -125,13 +123,13 @@ def test_agreeing_matched_flag_is_accepted_once(tmp_path: Path) -> None:
 )
 def test_contradicting_or_misplaced_flags_are_refused(tmp_path: Path, extra: list[str], message: str) -> None:
     with pytest.raises(QserveError) as e:
-        plan(tmp_path / "ck", manifest(), CPU, "127.0.0.1", 8000, extra_args=extra)
+        plan(tmp_path / "ck", manifest(), CPU, Endpoint(), extra_args=extra)
     assert str(e.value).startswith(message)
 
 
 def test_capacity_and_placement_flags_pass_through(tmp_path: Path) -> None:
     extra = ["--max_model_len", "4096", "--max-num-seqs=8", "--tensor-parallel-size", "2", "--seed", "3"]
-    p = plan(tmp_path / "ck", manifest(), CPU, "127.0.0.1", 8000, extra_args=extra)
+    p = plan(tmp_path / "ck", manifest(), CPU, Endpoint(), extra_args=extra)
     assert p.command[-len(extra) :] == extra  # as the user wrote them, after qserve's own
     assert "--max-model-len" not in p.command  # qserve's default gave way to the user's
 
@@ -141,7 +139,7 @@ def test_each_allowed_family_passes_through(tmp_path: Path, family: str) -> None
     from qserve.device.passthrough import PASS_THROUGH
 
     assert set(ALLOWED_USES) == set(PASS_THROUGH)  # every family has its use here
-    p = plan(tmp_path / "ck", manifest(), CPU, "127.0.0.1", 8000, extra_args=ALLOWED_USES[family])
+    p = plan(tmp_path / "ck", manifest(), CPU, Endpoint(), extra_args=ALLOWED_USES[family])
     assert p.command[-len(ALLOWED_USES[family]) :] == ALLOWED_USES[family]
 
 
@@ -150,7 +148,7 @@ def test_qserve_run_refuses_before_work_what_serve_would_refuse(tmp_path: Path) 
     from qserve.serve.plan import PLANNED_BY_QSERVE, _options, check_before_work
 
     # Every setting qserve plans itself is in the set the early check leaves to plan time.
-    planned = {flag for flag, _ in _options(tmp_path, manifest(trust_remote_code=True), CPU, "h", 1, "k")[0]}
+    planned = {flag for flag, _ in _options(tmp_path, manifest(trust_remote_code=True), CPU, Endpoint("h", 1, "k"))[0]}
     assert {f.removeprefix("--").replace("-", "_") for f in planned} <= PLANNED_BY_QSERVE
     check_before_work([t for family in ALLOWED_USES.values() for t in family])  # all allowed at once
     check_before_work(["--dtype", "bfloat16", "--enforce-eager"])  # decided when the server is planned
@@ -184,20 +182,20 @@ def test_only_allowed_environment_reaches_vllm() -> None:
 
 
 def test_api_key_stays_out_of_the_command_line(tmp_path: Path) -> None:
-    p = plan(tmp_path / "ck", manifest(), CPU, "127.0.0.1", 8000, api_key="s3cret")
+    p = plan(tmp_path / "ck", manifest(), CPU, Endpoint(api_key="s3cret"))
     assert "s3cret" not in " ".join(p.command) and p.env["VLLM_API_KEY"] == "s3cret"
 
 
 def test_trust_remote_code_only_when_recorded(tmp_path: Path) -> None:
-    p = plan(tmp_path / "ck", manifest(trust_remote_code=True), CPU, "127.0.0.1", 8000)
+    p = plan(tmp_path / "ck", manifest(trust_remote_code=True), CPU, Endpoint())
     assert "--trust-remote-code" in p.command
 
 
 def test_a_key_guards_every_route_through_qserves_middleware(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("VLLM_API_KEY", "inherited")
-    p = plan(tmp_path / "ck", manifest(), CPU, "127.0.0.1", 8000, api_key="s3cret")
+    p = plan(tmp_path / "ck", manifest(), CPU, Endpoint(api_key="s3cret"))
     assert flags(p.command)["--middleware"] == "qserve.serve.auth.KeyOnEveryRoute" and p.env["VLLM_API_KEY"] == "s3cret"
-    open_plan = plan(tmp_path / "ck", manifest(), CPU, "127.0.0.1", 8000)
+    open_plan = plan(tmp_path / "ck", manifest(), CPU, Endpoint())
     assert "VLLM_API_KEY" not in open_plan.env and "--middleware" not in open_plan.command  # never silently inherited
 
 
@@ -243,11 +241,11 @@ def test_key_middleware(monkeypatch, path: str, method: str, auth: str | None, e
 def test_non_loopback_without_a_key_is_warned_about(capsys) -> None:
     from qserve.serve.server import _warn_about_access
 
-    _warn_about_access("0.0.0.0", None, "--api-key")
+    _warn_about_access(Endpoint("0.0.0.0"))
     assert capsys.readouterr().err.startswith("warning: 0.0.0.0 is reachable from other machines and no API key is set")
     for host in ("127.0.0.1", "localhost", "::1"):
-        _warn_about_access(host, None, "--api-key")
-    _warn_about_access("0.0.0.0", "k", "QSERVE_API_KEY")
+        _warn_about_access(Endpoint(host))
+    _warn_about_access(Endpoint("0.0.0.0", api_key="k", key_source="QSERVE_API_KEY"))
     assert (
         capsys.readouterr().err
         == "requests need the API key from QSERVE_API_KEY on every route but /health, /ping, /version and /metrics\n"
@@ -281,6 +279,6 @@ def test_cuda_engine_arguments_and_environment(tmp_path: Path, monkeypatch) -> N
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in os.environ and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ
     # The served engine is vLLM's API server on every device: its engine core is a process of its own.
-    served = plan(tmp_path / "ck", manifest(kv_cache_dtype="fp8"), GPU, "127.0.0.1", 8000)
+    served = plan(tmp_path / "ck", manifest(kv_cache_dtype="fp8"), GPU, Endpoint())
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in served.env and "VLLM_ALLOW_INSECURE_SERIALIZATION" not in served.env
     assert "--enforce-eager" not in served.command and "--kv-cache-memory-bytes" not in served.command

@@ -67,7 +67,7 @@ def run(
     from qserve.evaluate.evaluation import EvalOptions
     from qserve.evaluate.gates import parse_cli_gates
     from qserve.evaluate.reports import format_table
-    from qserve.serve.plan import check_before_work
+    from qserve.serve.plan import Endpoint, check_before_work
     from qserve.serve.server import serve
     from qserve.workflow import checkpoint_for, gate_for
 
@@ -84,4 +84,4 @@ def run(
         typer.echo(f"error: {ckpt} did not pass its gate (verdict: {summary['verdict']}); not serving it", err=True)
         raise typer.Exit(verdict_exit(summary))
     vllm_logs_to_stderr()
-    serve(ckpt, host=host, port=port, extra_args=list(ctx.args), **key_args, ready_timeout=ready_timeout, verbose=verbose)
+    serve(ckpt, Endpoint(host, port, **key_args), extra_args=list(ctx.args), ready_timeout=ready_timeout, verbose=verbose)

@@ -66,22 +66,14 @@ def serve(
 
     {PASS_THROUGH}
     """
+    from qserve.serve.plan import Endpoint
+    from qserve.serve.server import Checks
     from qserve.serve.server import serve as run
 
     vllm_logs_to_stderr()  # stdout: the endpoint and curl lines only
-    run(
-        checkpoint,
-        host=host,
-        port=port,
-        skip_gate=skip_gate,
-        extra_args=list(ctx.args),
-        **api_key(key, key_file),
-        ready_timeout=ready_timeout,
-        verbose=verbose,
-        verify_key=verify_key,
-        policy=policy,
-        accept_gate_difference=accept_gate_difference,
-    )
+    endpoint = Endpoint(host, port, **api_key(key, key_file))
+    checks = Checks(skip_gate, verify_key, policy, accept_gate_difference)
+    run(checkpoint, endpoint, checks, list(ctx.args), ready_timeout, verbose)
 
 
 serve.__doc__ = (serve.__doc__ or "").replace("{PASS_THROUGH}", pass_through_help())

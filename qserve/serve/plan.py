@@ -58,13 +58,26 @@ PLANNED_BY_QSERVE = {
 # fmt: on
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    """Where the server listens and the key it asks for. `key_source`: where the key came from
+    (QSERVE_API_KEY, --api-key-file FILE, ...), named in messages instead of the key."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    key_source: str = "--api-key"
+
+    @property
+    def url(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
 def plan(
     ckpt: Path,
     manifest: Manifest,
     device: detect.Device,
-    host: str,
-    port: int,
-    api_key: str | None = None,
+    endpoint: Endpoint,
     extra_args: list[str] | None = None,
     loaded_from: Path | None = None,
 ) -> ServePlan:
@@ -77,7 +90,7 @@ def plan(
     tokens = list(extra_args or [])
     model_dir = (loaded_from or ckpt).resolve()
     flags.check_user_args(model_dir, manifest, {})  # the manifest's kv_cache_dtype against the checkpoint's config
-    options, env = _options(ckpt, manifest, device, host, port, api_key)
+    options, env = _options(ckpt, manifest, device, endpoint)
     planned = [str(model_dir)] + [t for flag, value in options for t in ([flag] if value is None else [flag, value])]
     changed = flags.check_serve_args(manifest, planned, tokens) if tokens else {}
     kept = [(f, v) for f, v in options if OVERRIDABLE.get(f) not in changed]
@@ -85,16 +98,17 @@ def plan(
     cmd += [t for flag, value in kept for t in ([flag] if value is None else [flag, value])] + tokens
     names = changed.get("served_model_name") or [ckpt.resolve().name]
     scheme = "https" if changed.get("ssl_certfile") else "http"
-    return ServePlan(cmd, env, f"{scheme}://{host}:{port}", str(names[0]), log_file(ckpt, "serve"), api_key)
+    return ServePlan(cmd, env, f"{scheme}://{endpoint.url}", str(names[0]), log_file(ckpt, "serve"), endpoint.api_key)
 
 
 def _options(
-    ckpt: Path, manifest: Manifest, device: detect.Device, host: str, port: int, api_key: str | None
+    ckpt: Path, manifest: Manifest, device: detect.Device, endpoint: Endpoint
 ) -> tuple[list[tuple[str, str | None]], dict[str, str]]:
     """qserve's own `vllm serve` options and environment for this checkpoint and device."""
     args = manifest.vllm_args
     options: list[tuple[str, str | None]] = [("--quantization", args.quantization)] if args.quantization else []
-    options += [("--kv-cache-dtype", args.kv_cache_dtype), ("--dtype", args.dtype), ("--host", host), ("--port", str(port))]
+    options += [("--kv-cache-dtype", args.kv_cache_dtype), ("--dtype", args.dtype), ("--host", endpoint.host)]
+    options += [("--port", str(endpoint.port))]
     options += [("--served-model-name", ckpt.resolve().name), ("--max-model-len", str(engine.MAX_MODEL_LEN))]
     env = passthrough.served_environment(STARTUP_ENVIRONMENT)
     if device.kind == "cpu":
@@ -106,7 +120,7 @@ def _options(
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     if args.trust_remote_code:
         options.append(("--trust-remote-code", None))
-    if api_key:
-        env["VLLM_API_KEY"] = api_key  # via the environment, so the key stays out of `ps`
+    if endpoint.api_key:
+        env["VLLM_API_KEY"] = endpoint.api_key  # via the environment, so the key stays out of `ps`
         options.append(("--middleware", MIDDLEWARE))  # vLLM alone leaves /invocations and others open
     return options, env

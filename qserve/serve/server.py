@@ -26,7 +26,7 @@ from qserve.errors import QserveError
 from qserve.paths import open_log
 from qserve.process import ProcessGroup
 from qserve.progress import info, step
-from qserve.serve.plan import ServePlan, load_servable, plan
+from qserve.serve.plan import Endpoint, ServePlan, load_servable, plan
 
 READY_TIMEOUT = 900.0
 
@@ -51,34 +51,29 @@ def ensure_port_free(host: str, port: int) -> None:
 
 def serve(
     checkpoint: str | Path,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    skip_gate: bool = False,
-    api_key: str | None = None,
+    endpoint: Endpoint | None = None,
+    checks: Checks | None = None,
     extra_args: list[str] | None = None,
     ready_timeout: float = READY_TIMEOUT,
     verbose: bool = False,
-    key_source: str = "--api-key",
-    verify_key: Path | None = None,
-    policy: Path | None = None,
-    accept_gate_difference: bool = False,
 ) -> NoReturn:
     """Start the server, wait until it answers a generation request, and run until it exits or we are signalled.
 
-    Never returns: a signal raises Stopped (after the server's process group is gone), and a
-    server that exits by itself is a QserveError naming its log.
+    `extra_args`: vLLM options after `--`, from the allowlist (device/passthrough.py). Never
+    returns: a signal raises Stopped (after the server's process group is gone), and a server
+    that exits by itself is a QserveError naming its log.
     """
+    endpoint, checks = endpoint or Endpoint(), checks or Checks()
     ckpt = Path(checkpoint)
-    checks = Checks(skip_gate, verify_key, policy, accept_gate_difference)
     manifest, device = load_servable(ckpt)
     checks.run(ckpt, announce=True)
-    _warn_about_access(host, api_key, key_source)
+    _warn_about_access(endpoint)
     with private_copy(ckpt) as copy:
         checks.run_on_copy(copy, ckpt, manifest)
-        p = plan(ckpt, manifest, device, host, port, api_key, extra_args, loaded_from=copy)
+        p = plan(ckpt, manifest, device, endpoint, extra_args, loaded_from=copy)
         with running(p, ready_timeout=ready_timeout, verbose=verbose) as server:
             print(f"serving {p.model_name} at {p.url}/v1", flush=True)
-            print(_curl(p, key_source if api_key else None), flush=True)
+            print(_curl(p, endpoint.key_source if endpoint.api_key else None), flush=True)
             code = server.wait()  # raises Stopped on SIGINT/SIGTERM, after the group is gone
     raise QserveError(f"vLLM server exited with code {code}; its log: {p.log}")
 
@@ -246,9 +241,10 @@ class _log_sink:
         self.file.close()
 
 
-def _warn_about_access(host: str, api_key: str | None, key_source: str) -> None:
-    if api_key:
-        info(f"requests need the API key from {key_source} on every route but /health, /ping, /version and /metrics")
+def _warn_about_access(endpoint: Endpoint) -> None:
+    host = endpoint.host
+    if endpoint.api_key:
+        info(f"requests need the API key from {endpoint.key_source} on every route but /health, /ping, /version and /metrics")
     elif not _loopback(host):
         info(
             f"warning: {host} is reachable from other machines and no API key is set: anyone who can reach it can use the model (--api-key)"
