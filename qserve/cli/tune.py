@@ -74,13 +74,12 @@ def tune(
     from qserve.process import bounded_in_process_stop
     from qserve.quantize.recipe import load_recipe
     from qserve.tune.report import format_tune
-    from qserve.tune.search import Budget
+    from qserve.tune.search import Budget, TuneOptions
     from qserve.tune.search import tune as run
 
     out = out_dir or Path(f"tune-{load_recipe(recipe)[0].name}")
     with library_output(out / "logs" / "tune.log", verbose), bounded_in_process_stop():
-        result = run(
-            recipe,
+        options = TuneOptions(
             model=model,
             tasks=split(tasks),
             limit=limit,
@@ -92,6 +91,7 @@ def tune(
             budget=Budget(max_candidates, budget_minutes),
             sensitivity_only=sensitivity_only,
         )
+        result = run(recipe, options)
     typer.echo(json.dumps(result, indent=2) if as_json else format_tune(result))
     if not sensitivity_only and result["winner"] is None:
         raise typer.Exit(EXIT_GATE_FAILED)

@@ -19,7 +19,7 @@ from qserve.device import detect, engine, flags, kv_scales, support, throughput
 from qserve.errors import QserveError
 from qserve.evaluate import baselines, fallback, looks, parity, reports, stats
 from qserve.evaluate.gates import DEFAULT_MIN_RECOVERY, Gate, GateSpec, decide, normalize, verdict
-from qserve.evaluate.lm_eval_run import EngineRun, Window, run_lm_eval
+from qserve.evaluate.lm_eval_run import EngineRun, Subject, Window, run_lm_eval
 from qserve.evaluate.stats import ItemValues
 from qserve.evaluate.tasks import TaskDef, get_tasks, lm_eval_config
 from qserve.progress import info, step
@@ -274,7 +274,8 @@ def _quantized_run(plan: _Plan, window: Window, options: EvalOptions) -> tuple[E
 
     label = "the quantized checkpoint"
     configs = list(plan.configs.values())
-    quant = run_lm_eval(ckpt, manifest.vllm_args, plan.device, configs, window, label, None if emulated else on_engine, emulated)
+    subject = Subject(ckpt, manifest.vllm_args, label, emulated)
+    quant = run_lm_eval(subject, plan.device, configs, window, None if emulated else on_engine)
     extra = quant.extra or {"generations": None, "decode": None, "kv_cache": _skipped("emulated: no vLLM engine")}
     if emulated:
         parity_result = _skipped("emulated: vLLM cannot run this scheme here, so there is no engine to compare")
@@ -312,7 +313,7 @@ def _baseline_run(plan: _Plan, side: _Baseline, window: Window) -> EngineRun:
     run = EngineRun(raw={})
     if missing:
         todo = [configs[n] for n in missing]
-        run = run_lm_eval(side.model.path, side.args, plan.device, todo, window, label, emulated=plan.emulated)
+        run = run_lm_eval(Subject(side.model.path, side.args, label, plan.emulated), plan.device, todo, window)
         for name in missing:
             baselines.store(keys[name], _task_slice(run.raw, name), run.items.get(name, {}))
     for name, entry in cached.items():

@@ -49,24 +49,33 @@ class Window:
         return {"samples": {t: list(range(self.offset, self.offset + (self.limit or 0))) for t in tasks}}
 
 
+@dataclass(frozen=True)
+class Subject:
+    """The model one lm-eval run scores: its files, vLLM's arguments for it, its name in messages,
+    and whether it goes through transformers because vLLM cannot run its scheme here."""
+
+    path: Path
+    args: VllmArgs
+    label: str
+    emulated: bool = False
+
+
 def run_lm_eval(
-    model_path: Path,
-    args: VllmArgs,
+    subject: Subject,
     device: detect.Device,
     configs: list[dict],
     window: Window,
-    label: str,
     during: Callable[[Any], Any] | None = None,
-    emulated: bool = False,
 ) -> EngineRun:
-    """All tasks through one vLLM engine (transformers if `emulated`); `during(lm)` runs on it before it stops."""
+    """All tasks through one vLLM engine (transformers if emulated); `during(lm)` runs on it before it stops."""
     import lm_eval
 
     names = [c["task"] for c in configs]
-    if emulated:
-        opened = fallback.open_transformers(model_path, args.quantization, label, args.trust_remote_code)
+    args, label = subject.args, subject.label
+    if subject.emulated:
+        opened = fallback.open_transformers(subject.path, args.quantization, label, args.trust_remote_code)
     else:
-        opened = engine.open_engine(model_path, args, device, label)
+        opened = engine.open_engine(subject.path, args, device, label)
     with opened as lm:
         with step(f"lm-eval on {label}: {', '.join(names)}{window.describe()}") as timing:
             out = lm_eval.simple_evaluate(

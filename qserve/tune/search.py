@@ -47,6 +47,24 @@ class Budget:
         return tried < self.candidates and spent + seconds_each <= self.minutes * 60
 
 
+@dataclass
+class TuneOptions:
+    """What `qserve tune` is asked (its defaults). `low`: the scheme the least sensitive layer groups
+    move to (default: the one a runnable mix pairs with the recipe's); `objective`: bytes or
+    throughput; `out_dir`: default tune-<recipe name>."""
+
+    model: str | None = None
+    tasks: list[str] | None = None
+    limit: int | None = None
+    data_dir: str | Path | None = None
+    out_dir: str | Path | None = None
+    low: str | None = None
+    group_size: int | None = None
+    objective: str = "bytes"
+    budget: Budget = field(default_factory=Budget)
+    sensitivity_only: bool = False
+
+
 def smaller_scheme(recipe: Recipe, low: str | None, kind: str) -> str:
     """The scheme the least sensitive groups move to: `low`, or the one a runnable mix pairs with the recipe's."""
     from qserve.device.support import support_for
@@ -115,7 +133,7 @@ def next_k(lo: int, hi: int, n: int) -> int:
     return min(n, 2 * max(lo, 1)) if hi > n else (lo + hi) // 2
 
 
-def run_candidate(recipe_file: Path, out: Path, k: int, options: dict[str, Any]) -> dict[str, Any]:
+def run_candidate(recipe_file: Path, out: Path, k: int, options: TuneOptions) -> dict[str, Any]:
     """Quantize one candidate and gate it in vLLM; its row for the Pareto table."""
     from qserve.checkpoint.inspection import inspect_checkpoint
     from qserve.checkpoint.tensors import quantized_layer_bytes
@@ -125,9 +143,9 @@ def run_candidate(recipe_file: Path, out: Path, k: int, options: dict[str, Any])
     start = time.monotonic()
     name = recipe_file.stem
     ckpt = out / name
-    quantize(recipe_file, QuantizeOptions(options["model"], ckpt, options["data_dir"], force=ckpt.exists(), remember=False))
-    asked = {k: options[k] for k in ("tasks", "limit", "data_dir")}
-    summary = evaluate(ckpt, EvalOptions(**asked, measure_decode=True, purpose="tune search"))
+    quantize(recipe_file, QuantizeOptions(options.model, ckpt, options.data_dir, force=ckpt.exists(), remember=False))
+    asked = EvalOptions(options.tasks, options.limit, data_dir=options.data_dir, measure_decode=True, purpose="tune search")
+    summary = evaluate(ckpt, asked)
     gate = summary["gates"][0]
     return {
         "name": name,
@@ -146,33 +164,22 @@ def run_candidate(recipe_file: Path, out: Path, k: int, options: dict[str, Any])
     }
 
 
-def tune(
-    recipe_path: str | Path,
-    model: str | None = None,
-    tasks: list[str] | None = None,
-    limit: int | None = None,
-    data_dir: str | Path | None = None,
-    out_dir: str | Path | None = None,
-    low: str | None = None,
-    group_size: int | None = None,
-    objective: str = "bytes",
-    budget: Budget | None = None,
-    sensitivity_only: bool = False,
-) -> dict[str, Any]:
+def tune(recipe_path: str | Path, options: TuneOptions | None = None) -> dict[str, Any]:
     """Sensitivity, then the search; writes sensitivity.*, pareto.* and the winner's recipe into `out_dir`."""
     from qserve.device.detect import detect_device
 
-    if objective not in ("bytes", "throughput"):
-        raise InvalidSpec(f"objective must be bytes or throughput, not {objective!r}")
+    options = options or TuneOptions()
+    if options.objective not in ("bytes", "throughput"):
+        raise InvalidSpec(f"objective must be bytes or throughput, not {options.objective!r}")
     recipe, _ = load_recipe(recipe_path)
-    low = smaller_scheme(recipe, low, detect_device().kind)
-    if not limit and not sensitivity_only:
+    low = smaller_scheme(recipe, options.low, detect_device().kind)
+    if not options.limit and not options.sensitivity_only:
         raise InvalidSpec(
             "qserve tune needs --limit: the winner is confirmed on the next --limit items, held out from the search"
         )
-    out = Path(out_dir or f"tune-{recipe.name}")
+    out = Path(options.out_dir or f"tune-{recipe.name}")
     out.mkdir(parents=True, exist_ok=True)
-    ranking, files = _sensitivity(recipe, model, data_dir, low, group_size, out)
+    ranking, files = _sensitivity(recipe, options, low, out)
     result: dict[str, Any] = {
         "recipe": str(recipe_path),
         "schemes": [low, recipe.scheme],
@@ -180,22 +187,20 @@ def tune(
         "group_size": ranking["group_size"],
         "sensitivity": files,
     }
-    if sensitivity_only:
+    if options.sensitivity_only:
         return result | {"files": files}
-    options = {"model": model, "tasks": tasks, "limit": limit, "data_dir": data_dir}
-    searched = _search(Path(recipe_path), recipe, ranking, low, options, budget or Budget(), out)
-    return _finish(result | searched, recipe, tasks, (limit, data_dir), objective, out)
+    search = _Search(Path(recipe_path), recipe, low, ranking["group_size"], options, out)
+    return _finish(result | search.run(ranking), recipe, options, out)
 
 
-def _sensitivity(
-    recipe: Recipe, model: str | None, data_dir: Any, low: str, group_size: int | None, out: Path
-) -> tuple[dict[str, Any], dict[str, str]]:
+def _sensitivity(recipe: Recipe, options: TuneOptions, low: str, out: Path) -> tuple[dict[str, Any], dict[str, str]]:
     from qserve.checkpoint.models import resolve_model
     from qserve.quantize.calibration import load_texts
     from qserve.quantize.pipeline import CANDIDATE_GROUP_SIZES, linear_input_dims, with_default_calibration
     from qserve.tune import sensitivity
 
     recipe = with_default_calibration(recipe)
+    model, data_dir, group_size = options.model, options.data_dir, options.group_size
     ref = resolve_model(model or recipe.model)
     if group_size is None and SCHEMES[low].group_quantized:
         dims = linear_input_dims(ref.path, recipe.ignore).values()
@@ -211,46 +216,71 @@ def _sensitivity(
     return ranking, report.write_sensitivity(ranking, out)
 
 
-def _search(
-    base: Path, recipe: Recipe, ranking: dict[str, Any], low: str, options: dict[str, Any], budget: Budget, out: Path
-) -> dict[str, Any]:
-    modules = _group_modules(options["model"] or recipe.model, recipe.ignore)
-    ranked = search_order(ranking["groups"])
-    order = [LayerGroup(g["block"], g["kind"], modules[g["group"]], g["params"]) for g in ranked]
-    n, recovery = len(order), min_recovery(recipe, options["tasks"])
-    k0 = predicted_k([g["kl"] for g in ranked], recovery)
-    info(
-        f"search: {n} layer groups; predicted start k={k0} (summed KL within half of log(1/{recovery})); budget "
-        f"{budget.candidates} candidates, {budget.minutes:g} min"
-    )
-    rows: dict[int, dict[str, Any]] = {}
-    lo, hi, k = 0, n + 1, k0
-    stopped = "the passing and failing candidates met"
-    while k not in rows:
-        mean = sum(r["seconds"] for r in rows.values()) / len(rows) if rows else 0.0
-        if not budget.allows(len(rows), mean):
-            stopped = "budget reached"
-            break
+@dataclass(frozen=True)
+class _Search:
+    """One search: the recipe it starts from, the smaller scheme, and where candidates go."""
+
+    base: Path
+    recipe: Recipe
+    low: str
+    group_size: int | None
+    options: TuneOptions
+    out: Path
+
+    def run(self, ranking: dict[str, Any]) -> dict[str, Any]:
+        """Gallop from the predicted k, then bisect; the rows of every candidate tried."""
+        recipe, budget = self.recipe, self.options.budget
+        modules = _group_modules(self.options.model or recipe.model, recipe.ignore)
+        ranked = search_order(ranking["groups"])
+        order = [LayerGroup(g["block"], g["kind"], modules[g["group"]], g["params"]) for g in ranked]
+        n, recovery = len(order), min_recovery(recipe, self.options.tasks)
+        k0 = predicted_k([g["kl"] for g in ranked], recovery)
         info(
-            f"candidate {len(rows) + 1}: k={k} ({k}/{n} groups in {low}); so far: passes up to k={lo if lo in rows else '?'}, "
-            f"fails from k={hi if hi <= n else '?'}"
+            f"search: {n} layer groups; predicted start k={k0} (summed KL within half of log(1/{recovery})); budget "
+            f"{budget.candidates} candidates, {budget.minutes:g} min"
         )
-        rows[k] = _try(base, recipe, low, ranking["group_size"], order, k, options, out)
-        lo, hi = (k, hi) if rows[k]["verdict"] == "pass" else (lo, k)
-        if hi - lo <= 1:
-            break
-        k = next_k(lo, hi, n)
-    if not any(r["verdict"] == "pass" for r in rows.values()) and 0 not in rows and budget.allows(len(rows), 0):
-        info(f"no mix passed; trying the recipe's own uniform {recipe.scheme} (k=0)")
-        rows[0] = _try(base, recipe, low, ranking["group_size"], order, 0, options, out)
-    return {
-        "groups": n,
-        "order": [g.name for g in order],
-        "predicted_k": k0,
-        "min_recovery": recovery,
-        "candidates": list(rows.values()),
-        "stopped": stopped,
-    }
+        rows: dict[int, dict[str, Any]] = {}
+        lo, hi, k = 0, n + 1, k0
+        stopped = "the passing and failing candidates met"
+        while k not in rows:
+            mean = sum(r["seconds"] for r in rows.values()) / len(rows) if rows else 0.0
+            if not budget.allows(len(rows), mean):
+                stopped = "budget reached"
+                break
+            info(
+                f"candidate {len(rows) + 1}: k={k} ({k}/{n} groups in {self.low}); so far: passes up to "
+                f"k={lo if lo in rows else '?'}, fails from k={hi if hi <= n else '?'}"
+            )
+            rows[k] = self.try_k(order, k)
+            lo, hi = (k, hi) if rows[k]["verdict"] == "pass" else (lo, k)
+            if hi - lo <= 1:
+                break
+            k = next_k(lo, hi, n)
+        if not any(r["verdict"] == "pass" for r in rows.values()) and 0 not in rows and budget.allows(len(rows), 0):
+            info(f"no mix passed; trying the recipe's own uniform {recipe.scheme} (k=0)")
+            rows[0] = self.try_k(order, 0)
+        return {
+            "groups": n,
+            "order": [g.name for g in order],
+            "predicted_k": k0,
+            "min_recovery": recovery,
+            "candidates": list(rows.values()),
+            "stopped": stopped,
+        }
+
+    def try_k(self, order: list[LayerGroup], k: int) -> dict[str, Any]:
+        """Candidate k: the first k groups in the smaller scheme, quantized and gated."""
+        name = f"{self.recipe.name}-{self.low.lower()}-k{k:02d}"
+        recipe_file = self.out / "candidates" / f"{name}.yaml"
+        recipe_file.parent.mkdir(parents=True, exist_ok=True)
+        candidate = candidate_recipe(self.base, name, self.low, self.group_size, order[:k])
+        recipe_file.write_text(yaml.safe_dump(candidate, sort_keys=False))
+        row = run_candidate(recipe_file, self.out / "candidates", k, self.options)
+        info(
+            f"candidate k={k}: {row['verdict'].upper()}, recovery {row['recovery']:.4f}, "
+            f"quantized-layer bytes {row['layer_bytes_vs_bf16']:.3f}x bf16 ({row['seconds']:.0f}s)"
+        )
+        return row
 
 
 def _confirm(best: dict[str, Any], tasks: list[str] | None, limit: int | None, data_dir: Any) -> dict[str, Any]:
@@ -284,33 +314,9 @@ def _group_modules(model: str | None, ignore: list[str]) -> dict[str, tuple[str,
     return {g.name: g.modules for g in layer_groups(skeleton, ignore)}
 
 
-def _try(
-    base: Path,
-    recipe: Recipe,
-    low: str,
-    group_size: int | None,
-    order: list[LayerGroup],
-    k: int,
-    options: dict[str, Any],
-    out: Path,
-) -> dict[str, Any]:
-    name = f"{recipe.name}-{low.lower()}-k{k:02d}"
-    recipe_file = out / "candidates" / f"{name}.yaml"
-    recipe_file.parent.mkdir(parents=True, exist_ok=True)
-    recipe_file.write_text(yaml.safe_dump(candidate_recipe(base, name, low, group_size, order[:k]), sort_keys=False))
-    row = run_candidate(recipe_file, out / "candidates", k, options)
-    info(
-        f"candidate k={k}: {row['verdict'].upper()}, recovery {row['recovery']:.4f}, "
-        f"quantized-layer bytes {row['layer_bytes_vs_bf16']:.3f}x bf16 ({row['seconds']:.0f}s)"
-    )
-    return row
-
-
-def _finish(
-    result: dict[str, Any], recipe: Recipe, tasks: list[str] | None, items: tuple[int | None, Any], objective: str, out: Path
-) -> dict[str, Any]:
+def _finish(result: dict[str, Any], recipe: Recipe, options: TuneOptions, out: Path) -> dict[str, Any]:
     """Confirm the best on held-out items; copy the confirmed winner's recipe next to the tables, write them."""
-    limit, data_dir = items
+    tasks, limit, data_dir, objective = options.tasks, options.limit, options.data_dir, options.objective
     passed = [r for r in result["candidates"] if r["verdict"] == "pass"]
     key = (lambda r: r["layer_bytes_vs_bf16"]) if objective == "bytes" else (lambda r: -(r["decode_tokens_per_second"] or 0))
     best = min(passed, key=key) if passed else None
