@@ -133,3 +133,24 @@ def test_a_tune_search_record_is_no_gate(tmp_path: Path) -> None:
         f"error: {ckpt}'s gate record is from a `qserve tune` search, which kept the best of several candidates on the same "
         f"items; its gate is the tune's confirmation on held-out items, or `qserve eval {ckpt}`",
     )
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"verdict": "passed"}, "(verdict: Input should be 'pass', 'fail' or 'inconclusive')"),
+        ({"verdikt": "pass"}, "(verdikt: Extra inputs are not permitted)"),
+        ({"gates": "all"}, "(gates: Input should be a valid list)"),
+        ({"schema_version": 2}, "was written by a newer qserve (schema 2); upgrade qserve"),
+    ],
+)
+def test_an_eval_record_outside_its_schema_is_refused_in_one_line(tmp_path: Path, edit: dict, message: str) -> None:
+    from qserve.checkpoint.records import check_gate
+
+    ckpt = _checkpoint(tmp_path, [_gate("gsm8k_ppl"), _gate("gsm8k")])
+    record = json.loads((ckpt / EVAL_NAME).read_text())
+    (ckpt / EVAL_NAME).write_text(json.dumps(record | edit))
+    with pytest.raises(QserveError) as e:
+        check_gate(ckpt)
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert str(e.value).startswith(f"{ckpt / EVAL_NAME} ")

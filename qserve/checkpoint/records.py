@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from qserve import paths
 from qserve.checkpoint import policy as gate_policy
@@ -26,15 +28,76 @@ def write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+EVAL_SCHEMA_VERSION = 1
+
+
+class EvalRecord(BaseModel):
+    """The schema of qserve_eval.json (what `qserve eval` decided), checked when written and read.
+
+    serve, sign, inspect and the policy read the first four fields; the rest describe the run.
+    Records written before `schema_version` existed are version 1.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    manifest_sha256: str
+    decided_at: str
+    verdict: Literal["pass", "fail", "inconclusive"]
+    gates: list[dict[str, Any]]
+    schema_version: int = EVAL_SCHEMA_VERSION
+    purpose: Literal["gate", "tune search"] = "gate"
+    checkpoint: str | None = None
+    parity: dict[str, Any] | None = None
+    kv_cache: dict[str, Any] | None = None
+    emulated: bool = False  # true: scores come from transformers, not vLLM
+    engine: Literal["vllm", "transformers"] | None = None
+    vllm_support: dict[str, Any] | None = None
+    decode: dict[str, Any] | None = None
+    scheme: str | None = None
+    recipe: str | None = None
+    tasks: list[str] | None = None
+    limit: int | None = None
+    offset: int = 0
+    n_samples: dict[str, Any] | None = None
+    device: dict[str, Any] | None = None
+    engine_args: dict[str, Any] | None = None
+    baseline_model: dict[str, Any] | None = None
+    baseline_cache: dict[str, Any] | None = None
+    versions: dict[str, str] | None = None
+    timings: dict[str, float] | None = None
+    look: dict[str, Any] | None = None
+    request: dict[str, Any] | None = None
+    waivers: list[dict[str, Any]] | None = None  # gate differences an operator accepted (--accept-gate-difference)
+
+
+def _checked(record: dict[str, Any], path: Path) -> dict[str, Any]:
+    try:
+        EvalRecord.model_validate(record)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "record"
+        raise QserveError(f"{path} is not a qserve eval record ({where}: {first['msg']}); run `qserve eval` again") from None
+    if record.get("schema_version", 1) > EVAL_SCHEMA_VERSION:
+        raise QserveError(f"{path} was written by a newer qserve (schema {record['schema_version']}); upgrade qserve")
+    return record
+
+
+def write_eval(ckpt: Path, record: dict[str, Any]) -> None:
+    """Write the eval record, checked against its schema first (a wrong record is a qserve bug, not a file)."""
+    write_json(ckpt / EVAL_NAME, _checked({"schema_version": EVAL_SCHEMA_VERSION} | record, ckpt / EVAL_NAME))
+
+
 def read_eval(ckpt: Path) -> dict[str, Any] | None:
-    """The checkpoint's `qserve eval` record, None when it was never evaluated."""
+    """The checkpoint's `qserve eval` record (checked against its schema), None when it was never evaluated."""
     path = ckpt / EVAL_NAME
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
+        record = json.loads(path.read_text())
     except json.JSONDecodeError:
         raise QserveError(f"{path} is corrupt; run `qserve eval` again") from None
+    if not isinstance(record, dict):
+        raise QserveError(f"{path} is corrupt; run `qserve eval` again")
+    return _checked(record, path)
 
 
 def check_gate(ckpt: Path, policy_file: Path | None = None, accept_difference: bool = False, by: str = "serve") -> str:
@@ -74,7 +137,7 @@ def _record_waiver(ckpt: Path, record: dict[str, Any], waiver: dict[str, Any]) -
     if any(w["differences"] == waiver["differences"] and w["policy"] == waiver["policy"] for w in waivers):
         return  # already recorded (and perhaps signed): rewriting would break the signature
     waivers.append(waiver)
-    write_json(ckpt / EVAL_NAME, record)
+    write_eval(ckpt, record)
     write_text(ckpt / CARD_NAME, model_card(ckpt, read_manifest(ckpt), record))
 
 

@@ -11,15 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from qserve.checkpoint.card import CARD_NAME, gate_rows, md_table, model_card, text_table
-from qserve.checkpoint.manifest import EVAL_NAME, LM_EVAL_RESULTS_NAME, REPORT_NAME, Manifest
-from qserve.checkpoint.records import write_json, write_text
+from qserve.checkpoint.manifest import LM_EVAL_RESULTS_NAME, REPORT_NAME, Manifest
+from qserve.checkpoint.records import write_eval, write_json, write_text
 
 
 def write_all(ckpt: Path, manifest: Manifest, summary: dict[str, Any], raw: dict[str, Any]) -> None:
     write_json(ckpt / LM_EVAL_RESULTS_NAME, raw)
     write_text(ckpt / REPORT_NAME, markdown_report(summary))
     write_text(ckpt / CARD_NAME, model_card(ckpt, manifest, summary))
-    write_json(ckpt / EVAL_NAME, summary)
+    write_eval(ckpt, summary)
 
 
 def format_table(summary: dict[str, Any]) -> str:
