@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from qserve import paths
+from qserve.bench_throughput import eval_throughput
+from qserve.bench_throughput import markdown as throughput_markdown
 from qserve.checkpoint.manifest import read_manifest
 from qserve.checkpoint.tensors import quantized_layer_bytes
 from qserve.device import detect, engine, throughput
@@ -278,6 +280,7 @@ def run_suite(recipes_dir: Path, work: Path, data_dir: str | Path | None = None)
     result |= eval_vs_lm_eval(ckpts["W8A8"], work, data)
     result |= serve_vs_vllm(ckpts["W8A8"])
     result["decode"] = decode_vs_baseline(ckpts)
+    result["eval_throughput"] = eval_throughput(ckpts["W8A8"], data)
     result["quantize_seconds"] = {s: read_manifest(c).timings["quantize_seconds"] for s, c in ckpts.items()}
     result["goals"] = {k: _goal(k, result.get(k)) for k in GOALS}
     (work / "bench_suite.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -333,6 +336,7 @@ def markdown(result: dict[str, Any]) -> str:
         "- quantize time (manifest `quantize_seconds`): "
         + ", ".join(f"{k} {v:.0f} s" for k, v in result["quantize_seconds"].items())
     )
+    lines += [""] + throughput_markdown(result["eval_throughput"]) if "eval_throughput" in result else []
     return "\n".join(lines) + "\n"
 
 

@@ -11,7 +11,7 @@ from conftest import REPO
 
 PACKAGE = REPO / "qserve"
 BASE = {"errors", "paths", "progress", "capture", "process", "scratch", "__init__"}
-TOOLS = {"cli", "compare", "bench_suite", "benchmarks_page", "workflow", "reproduce"}
+TOOLS = {"cli", "compare", "bench_suite", "bench_throughput", "benchmarks_page", "workflow", "reproduce"}
 # part -> the parts it may import (lazy imports inside functions count too).
 ALLOWED = {
     "base": {"base"},

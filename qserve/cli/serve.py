@@ -91,6 +91,14 @@ def bench(
     input_len: Annotated[int, typer.Option(min=1, help="Prompt tokens per request (random).")] = 128,
     output_len: Annotated[int, typer.Option(min=1, help="Output tokens per request (EOS ignored).")] = 64,
     concurrency: Annotated[int, typer.Option(min=1, help="Requests in flight at once.")] = 4,
+    eval_throughput: Annotated[
+        bool,
+        typer.Option(
+            "--eval-throughput",
+            help="Only the eval-throughput part of the suite: prefill and decode tokens/s per dtype against the "
+            "matmul bound and raw lm-eval (quantizes W8A8 into --work-dir if needed).",
+        ),
+    ] = False,
     work_dir: Annotated[Path, typer.Option(help="Scratch dir for --suite checkpoints and bench_suite.json.")] = Path(
         "bench-suite"
     ),
@@ -110,7 +118,11 @@ def bench(
       qserve bench out-w8a8-int8 --num-prompts 16 --concurrency 2
       qserve bench --suite --work-dir /tmp/bench
       qserve bench --suite --publish docs      (what `make benchmarks` runs)
+      qserve bench --eval-throughput --work-dir /tmp/bench
     """
+    if eval_throughput:
+        typer.echo(_eval_throughput(work_dir, data_dir, verbose, as_json))
+        return
     if suite:
         from qserve.bench_suite import format_suite, run_suite
         from qserve.paths import project_data
@@ -132,3 +144,19 @@ def bench(
     with library_output(log_file(checkpoint, "bench"), verbose):
         result = run(checkpoint, Load(num_prompts, input_len, output_len, concurrency))
     typer.echo(json.dumps(result, indent=2) if as_json else format_bench(result))
+
+
+def _eval_throughput(work_dir: Path, data_dir: Path | None, verbose: bool, as_json: bool) -> str:
+    from qserve import paths
+    from qserve.bench_throughput import eval_throughput, markdown
+    from qserve.quantize.pipeline import QuantizeOptions, quantize
+
+    ckpt = work_dir / "out-w8a8-int8"
+    with library_output(work_dir / "logs" / "eval-throughput.log", verbose):
+        if not ckpt.is_dir():
+            quantize(
+                paths.project_data("recipes") / "w8a8-int8.yaml", QuantizeOptions(output=ckpt, data_dir=data_dir, remember=False)
+            )
+        result = eval_throughput(ckpt, paths.data_dir(data_dir))
+    (work_dir / "eval_throughput.json").write_text(json.dumps(result, indent=2) + "\n")
+    return json.dumps(result, indent=2) if as_json else "\n".join(markdown(result))

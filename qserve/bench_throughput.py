@@ -1,0 +1,112 @@
+"""Eval throughput against the machine's limit: prefill and decode tokens/s of qserve's eval engine
+per dtype, the arithmetic bound for that dtype, and raw lm-eval on the same engine settings.
+
+Prefill is lm-eval's rolling log-likelihood over the demo's documents (gsm8k_ppl: every token is
+a prompt token); decode is vLLM's offline generation of 16 x 128 tokens. The bound is the model's
+FLOPs per token (device/peak.py) over this CPU's measured matmul rate in the dtype the linear
+layers run in: float32 and bfloat16 for the unquantized model, int8 for W8A8 (its activations are
+quantized to int8 per token, so its matmuls are int8). Nothing asserts: it measures and reports.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from qserve.checkpoint.manifest import VllmArgs, read_manifest
+from qserve.checkpoint.models import baseline_model
+from qserve.device import detect, engine, peak, throughput
+from qserve.progress import step
+
+TASK, LIMIT = "gsm8k_ppl", 100  # the demo's gate
+GOAL_SHARE = 0.5  # of the bound, for every dtype with a native kernel
+
+
+def eval_throughput(w8a8_ckpt: Path, data_dir: Path, limit: int = LIMIT) -> dict[str, Any]:
+    """Per dtype: qserve's eval prefill and decode tokens/s, raw lm-eval's prefill tokens/s on the
+    same engine settings, the bound, and the shares."""
+    from qserve.evaluate.tasks import get_tasks, lm_eval_config
+
+    manifest, device = read_manifest(w8a8_ckpt), detect.detect_device()
+    base = baseline_model(manifest).path
+    config = lm_eval_config(get_tasks([TASK])[0], data_dir)
+    tokens = prompt_tokens(base, data_dir, limit)
+    flops = peak.flops_per_token(base, context=tokens["mean_context"])
+    baseline = engine.baseline_args(device)
+    sides: dict[str, tuple[Path, VllmArgs]] = {
+        "float32": (base, baseline.model_copy(update={"dtype": "float32"})),
+        "bfloat16": (base, baseline.model_copy(update={"dtype": "bfloat16"})),
+        "int8": (w8a8_ckpt, manifest.vllm_args),
+    }
+    rows = {}
+    for dtype, (path, args) in sides.items():
+        with step(f"eval throughput: {dtype} matmul peak"):
+            gflops = peak.matmul_gflops(dtype)
+        bound = gflops * 1e9 / flops
+        row = _measure(path, args, device, config, limit, tokens["total"])
+        rows[dtype] = row | {
+            "matmul_gflops": round(gflops, 1),
+            "bound_tokens_per_second": round(bound, 1),
+            "prefill_share_of_bound": round(row["prefill_tokens_per_second"] / bound, 3),
+            "decode_share_of_bound": round(row["decode"]["tokens_per_second"] / bound, 3),
+            "qserve_vs_raw_lm_eval": round(row["prefill_seconds"] / row["raw_prefill_seconds"], 3),
+        }
+    return {"task": TASK, "limit": limit, "prompt_tokens": tokens, "flops_per_token": flops, "dtypes": rows}
+
+
+def prompt_tokens(model_dir: Path, data_dir: Path, limit: int) -> dict[str, float]:
+    """The tokens lm-eval scores on the first `limit` gsm8k_ppl documents (the task's own text: its
+    doc_to_target, plus the one token lm-eval's rolling windows start from)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    lines = (data_dir / "gsm8k" / "test.jsonl").read_text().splitlines()[:limit]
+    docs = [json.loads(line) for line in lines]
+    counts = [len(tokenizer(f"Question: {d['question']}\nAnswer: {d['answer']}").input_ids) + 1 for d in docs]
+    return {"total": sum(counts), "documents": len(counts), "mean_context": sum(counts) / len(counts) / 2}
+
+
+def _measure(path: Path, args: VllmArgs, device: detect.Device, config: dict, limit: int, tokens: int) -> dict[str, Any]:
+    """Prefill through qserve's lm-eval run and through raw lm-eval's VLLM model with the same
+    keyword arguments (each timed around the evaluation alone, engine start excluded), then decode."""
+    import lm_eval
+
+    from qserve.evaluate.lm_eval_run import Subject, Window, run_lm_eval
+
+    label = f"{args.dtype} {args.quantization or 'unquantized'}"
+    run = run_lm_eval(Subject(path, args, label), device, [config], Window(limit), during=throughput.decode_throughput)
+    with engine.open_engine(path, args, device, f"raw lm-eval, {label}") as lm:
+        start = time.perf_counter()
+        lm_eval.simple_evaluate(model=lm, tasks=[config], limit=limit, log_samples=True, bootstrap_iters=1000)
+        raw = time.perf_counter() - start
+    return {
+        "dtype": args.dtype,
+        "quantization": args.quantization,
+        "prefill_seconds": round(run.seconds, 2),
+        "prefill_tokens_per_second": round(tokens / run.seconds, 1),
+        "raw_prefill_seconds": round(raw, 2),
+        "raw_prefill_tokens_per_second": round(tokens / raw, 1),
+        "decode": run.extra,
+    }
+
+
+def markdown(result: dict[str, Any]) -> list[str]:
+    """The table for the benchmarks page."""
+    lines = [
+        f"Eval throughput ({result['task']}, {result['limit']} documents, {result['prompt_tokens']['total']} prompt tokens; "
+        f"{result['flops_per_token'] / 1e9:.3f} GFLOP per token): bound = measured matmul rate / FLOPs per token; "
+        f"goal: prefill at least {GOAL_SHARE:.0%} of the bound, qserve no slower than raw lm-eval (time ratio <= 1.0).",
+        "",
+        "| dtype | matmul GFLOP/s | bound tok/s | qserve prefill tok/s | share | raw lm-eval prefill tok/s | "
+        "qserve / raw time | decode tok/s | decode share |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for dtype, r in result["dtypes"].items():
+        lines.append(
+            f"| {dtype} | {r['matmul_gflops']} | {r['bound_tokens_per_second']} | {r['prefill_tokens_per_second']} | "
+            f"{r['prefill_share_of_bound']:.1%} | {r['raw_prefill_tokens_per_second']} | {r['qserve_vs_raw_lm_eval']} | "
+            f"{r['decode']['tokens_per_second']} | {r['decode_share_of_bound']:.1%} |"
+        )
+    return lines
