@@ -7,14 +7,18 @@ import json
 import time
 from pathlib import Path
 
-# The matmul whose rate stands for the machine's peak: square, large enough that packing and
-# threading overheads are small, small enough to stay near the caches of a small machine.
-PEAK_SIZE = 2048
+# Square matmuls whose best rate stands for the machine's peak: the rate grows with size until
+# packing and threading overheads are small, then falls once the operands leave the caches.
+PEAK_SIZES = (512, 1024, 2048, 4096)
 
 
-def matmul_gflops(dtype: str, size: int = PEAK_SIZE, seconds: float = 3.0) -> float:
-    """GFLOP/s of a square matmul in `dtype` (float32, bfloat16; int8: torch._int_mm, int32
-    accumulation) on all of torch's threads, the best of repeated runs over `seconds`."""
+def matmul_gflops(dtype: str, sizes: tuple[int, ...] = PEAK_SIZES, seconds: float = 1.5) -> float:
+    """GFLOP/s of the fastest square matmul in `dtype` (float32, bfloat16; int8: torch._int_mm,
+    int32 accumulation) on all of torch's threads, each size the best of its runs over `seconds`."""
+    return max(_square_gflops(dtype, size, seconds) for size in sizes)
+
+
+def _square_gflops(dtype: str, size: int, seconds: float) -> float:
     import torch
 
     torch.manual_seed(0)
@@ -40,9 +44,11 @@ def matmul_gflops(dtype: str, size: int = PEAK_SIZE, seconds: float = 3.0) -> fl
     return 2 * size**3 / best / 1e9
 
 
-def flops_per_token(model_dir: Path, context: float = 0.0) -> float:
-    """Forward FLOPs per token of a decoder from its config.json: 2 x the weights of every matmul
-    (attention and MLP projections, the LM head), plus attention over `context` earlier tokens."""
+def flops_per_token(model_dir: Path, context: float = 0.0) -> dict[str, float]:
+    """Forward FLOPs per token of a decoder from its config.json, by part: `layers` (2 x the
+    attention and MLP projections' weights), `head` (the LM head: every prompt token's logits are
+    computed for its log-likelihood) and `attention` (scores and weighted sums over `context`
+    earlier tokens). A W8A8 checkpoint runs `layers` in int8 and the rest in 16 bits."""
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     cfg = cfg.get("text_config", cfg)
     hidden, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
@@ -51,6 +57,14 @@ def flops_per_token(model_dir: Path, context: float = 0.0) -> float:
     kv_heads = cfg.get("num_key_value_heads", heads)
     attention = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q and o; k and v
     mlp = 3 * hidden * cfg["intermediate_size"]  # gate, up, down
-    weights = layers * (attention + mlp) + vocab * hidden
-    scores = layers * 4 * heads * head_dim * context  # QK^T and the weighted sum of V
-    return 2.0 * weights + scores
+    return {
+        "layers": 2.0 * layers * (attention + mlp),
+        "head": 2.0 * vocab * hidden,
+        "attention": layers * 4.0 * heads * head_dim * context,  # QK^T and the weighted sum of V
+    }
+
+
+def bound_tokens_per_second(flops: dict[str, float], gflops: dict[str, float]) -> float:
+    """Tokens/s if every part ran at its dtype's measured matmul rate: `gflops` maps each part of
+    flops_per_token to the rate of the dtype it runs in."""
+    return 1.0 / sum(flops[part] / (gflops[part] * 1e9) for part in flops)
