@@ -12,10 +12,11 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from qserve.checkpoint.manifest import MANIFEST_NAME
+from qserve.checkpoint.manifest import MANIFEST_NAME, Manifest
 from qserve.serve.server import free_port  # noqa: F401  (tests import it from here)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -359,6 +360,17 @@ class Server:
             self.proc.terminate()
             self.proc.wait(timeout=GRACE_SECONDS + 30)
         self.stderr.close()
+
+
+def small_manifest(quantization: str | None = "compressed-tensors", **fields: Any) -> Manifest:
+    """A W8A8 manifest with empty records, for tests that need one without quantizing; `fields`
+    replace the defaults, `quantization` and the other vLLM arguments go to VllmArgs."""
+    from qserve.checkpoint.manifest import Manifest, VllmArgs
+
+    vllm = {k: fields.pop(k) for k in ("kv_cache_dtype", "dtype", "trust_remote_code") if k in fields}
+    defaults: dict[str, Any] = {"created_at": "t", "scheme": "W8A8", "recipe": {}, "recipe_source": {}, "source_model": {}}
+    defaults |= {"calibration": None, "versions": {}, "timings": {}, "files": {}}
+    return Manifest(**(defaults | fields), vllm_args=VllmArgs(quantization=quantization, **vllm))
 
 
 def gate_record(task: str = "gsm8k_ppl", items: int = 100, criteria: dict | None = None, status: str = "pass", **kw) -> dict:

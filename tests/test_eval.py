@@ -7,7 +7,16 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import DEMO_LIMIT, DEMO_TASKS, EVAL_LIMIT, copy_checkpoint, free_port, run_qserve, run_qserve_in_process
+from conftest import (
+    DEMO_LIMIT,
+    DEMO_TASKS,
+    EVAL_LIMIT,
+    copy_checkpoint,
+    free_port,
+    run_qserve,
+    run_qserve_in_process,
+    small_manifest,
+)
 
 from qserve.checkpoint.card import CARD_NAME, gate_rows
 from qserve.checkpoint.manifest import EVAL_NAME, LM_EVAL_RESULTS_NAME, hash_files, read_manifest, write_manifest
@@ -191,20 +200,9 @@ def test_model_card_metadata_is_what_the_hub_reads(tmp_path: Path) -> None:
     from huggingface_hub import ModelCard
 
     from qserve.checkpoint.card import model_card
-    from qserve.checkpoint.manifest import Manifest, VllmArgs
 
-    manifest = Manifest(
-        created_at="t",
-        scheme="W8A8",
-        recipe={"name": "w8a8-int8"},
-        recipe_source={},
-        versions={},
-        timings={},
-        files={},
-        source_model={"id": "HuggingFaceTB/SmolLM2-135M-Instruct"},
-        calibration=None,
-        vllm_args=VllmArgs(quantization="compressed-tensors", kv_cache_dtype="auto", dtype="bfloat16"),
-    )
+    source = {"id": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+    manifest = small_manifest(recipe={"name": "w8a8-int8"}, source_model=source, kv_cache_dtype="auto", dtype="bfloat16")
     summary = {"verdict": "pass", "decided_at": "d", "parity": {"status": "pass"}, "gates": [gate_record(items=100)]}
     card = ModelCard(model_card(tmp_path / "out-w8a8-int8", manifest, summary))
     data = card.data

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 from conftest import gate_record as _gate
-from conftest import make_keys, run_qserve_in_process
+from conftest import make_keys, run_qserve_in_process, small_manifest
 
-from qserve.checkpoint.manifest import CARD_NAME, EVAL_NAME, Manifest, VllmArgs, hash_files, manifest_digest, write_manifest
+from qserve.checkpoint.manifest import CARD_NAME, EVAL_NAME, hash_files, manifest_digest, write_manifest
 from qserve.checkpoint.policy import MIN_ITEMS, Policy, differences, read_policy, recipe_policy
 from qserve.errors import QserveError
 
@@ -25,18 +25,7 @@ def _checkpoint(root: Path, gates: list[dict]) -> Path:
     ckpt = root / "ckpt"
     ckpt.mkdir()
     (ckpt / "model.safetensors").write_bytes(b"weights")
-    manifest = Manifest(
-        created_at="t",
-        scheme="W8A8",
-        recipe=RECIPE,
-        recipe_source={},
-        source_model={"id": "m"},
-        calibration=None,
-        versions={},
-        vllm_args=VllmArgs(quantization="compressed-tensors"),
-        timings={},
-        files=hash_files(ckpt),
-    )
+    manifest = small_manifest(recipe=RECIPE, source_model={"id": "m"}, files=hash_files(ckpt))
     write_manifest(ckpt, manifest)
     record = {
         "verdict": "pass",

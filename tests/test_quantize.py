@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import QSERVE, REPO, SHRUNK, run_qserve
+from conftest import QSERVE, REPO, SHRUNK, run_qserve, small_manifest
 
 from qserve.checkpoint.manifest import MANIFEST_NAME, hash_files, read_manifest, sha256_file, verify_files
 from qserve.errors import QserveError
@@ -283,7 +283,7 @@ def test_concurrent_runs_to_one_output_never_corrupt_it(tmp_path: Path) -> None:
 
 
 def test_every_file_but_qserves_records_is_hashed_and_checked(tmp_path: Path) -> None:
-    from qserve.checkpoint.manifest import Manifest, VllmArgs, write_manifest
+    from qserve.checkpoint.manifest import write_manifest
 
     ckpt = tmp_path / "ck"
     (ckpt / "sub").mkdir(parents=True)
@@ -297,18 +297,7 @@ def test_every_file_but_qserves_records_is_hashed_and_checked(tmp_path: Path) ->
         "pytorch_model.bin",
         "sub/extra.pt",
     ]
-    manifest = Manifest(
-        created_at="t",
-        scheme="W8A8",
-        recipe={},
-        recipe_source={},
-        source_model={},
-        calibration=None,
-        versions={},
-        vllm_args=VllmArgs(quantization=None),
-        timings={},
-        files=files,
-    )
+    manifest = small_manifest(None, files=files)
     write_manifest(ckpt, manifest)
     # qserve's own records may come and go: the model card, eval records, logs, a crashed write's temp file.
     for record in (

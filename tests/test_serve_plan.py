@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import ALLOWED_USES
+from conftest import ALLOWED_USES, small_manifest
 
 from qserve.checkpoint.manifest import Manifest, VllmArgs
 from qserve.device.detect import Device
@@ -17,19 +17,8 @@ GPU = Device("cuda", "test GPU")
 
 
 def manifest(**vllm) -> Manifest:
-    args = {"quantization": "compressed-tensors", "kv_cache_dtype": "auto", "dtype": "bfloat16"} | vllm
-    return Manifest(
-        created_at="2026-01-01T00:00:00+00:00",
-        scheme="W8A8",
-        recipe={},
-        recipe_source={},
-        source_model={},
-        calibration=None,
-        versions={},
-        vllm_args=VllmArgs(**args),
-        timings={},
-        files={},
-    )
+    args = {"kv_cache_dtype": "auto", "dtype": "bfloat16"} | vllm
+    return small_manifest(args.pop("quantization", "compressed-tensors"), created_at="2026-01-01T00:00:00+00:00", **args)
 
 
 def flags(cmd: list[str]) -> dict[str, str | None]:

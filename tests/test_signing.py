@@ -10,9 +10,9 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import gate_record, make_keys, run_qserve
+from conftest import gate_record, make_keys, run_qserve, small_manifest
 
-from qserve.checkpoint.manifest import EVAL_NAME, SIGNATURE_NAME, Manifest, VllmArgs, hash_files, manifest_digest, write_manifest
+from qserve.checkpoint.manifest import EVAL_NAME, SIGNATURE_NAME, hash_files, manifest_digest, write_manifest
 from qserve.checkpoint.signing import sign, verify
 from qserve.errors import QserveError
 
@@ -22,18 +22,7 @@ def _gated_checkpoint(root: Path, verdict: str = "pass") -> Path:
     ckpt.mkdir()
     (ckpt / "model.safetensors").write_bytes(b"weights")
     (ckpt / "config.json").write_text("{}")
-    manifest = Manifest(
-        created_at="t",
-        scheme="W8A8",
-        recipe={},
-        recipe_source={},
-        source_model={},
-        calibration=None,
-        versions={},
-        vllm_args=VllmArgs(quantization="compressed-tensors"),
-        timings={},
-        files=hash_files(ckpt),
-    )
+    manifest = small_manifest(files=hash_files(ckpt))
     write_manifest(ckpt, manifest)
     record = {
         "verdict": verdict,
