@@ -20,7 +20,7 @@ demo: setup
 	$(UV) run --locked --extra cpu qserve run $(RECIPE) --tasks $(TASKS) --limit $(LIMIT)
 
 test: setup
-	$(UV) run --locked --extra cpu pytest -ra --durations=15
+	$(UV) run --locked --extra cpu pytest -ra --durations=25
 
 test-fast: setup
 	$(UV) run --locked --extra cpu pytest -ra -m "not slow"

@@ -24,7 +24,7 @@ from qserve.checkpoint.records import check_gate
 from qserve.checkpoint.snapshot import private_copy
 from qserve.errors import QserveError
 from qserve.paths import open_log
-from qserve.process import ProcessGroup
+from qserve.process import GRACE_SECONDS, ProcessGroup
 from qserve.progress import info, step
 from qserve.serve.plan import Endpoint, ServePlan, load_servable, plan
 
@@ -113,16 +113,21 @@ class Checks:
 
 @contextmanager
 def running(
-    p: ServePlan, command: list[str] | None = None, ready_timeout: float = READY_TIMEOUT, verbose: bool = False
+    p: ServePlan,
+    command: list[str] | None = None,
+    ready_timeout: float = READY_TIMEOUT,
+    verbose: bool = False,
+    grace: float = GRACE_SECONDS,
 ) -> Iterator[ProcessGroup]:
-    """Start the server (`command`, default the plan's), wait until it answers, stop its whole group on exit.
+    """Start the server (`command`, default the plan's), wait until it answers, stop its whole group on
+    exit (SIGTERM, then SIGKILL for what is left `grace` seconds later).
 
     vLLM's output goes to the plan's log file (and to stderr as well with `verbose`).
     """
     host, _, port = p.url.partition("://")[2].rpartition(":")
     ensure_port_free(host.strip("[]"), int(port))
     with _log_sink(p.log, verbose) as sink:
-        server = ProcessGroup(command or p.command, env=p.env, stdout=sink.stdout)
+        server = ProcessGroup(command or p.command, env=p.env, stdout=sink.stdout, grace=grace)
         sink.start(server.proc)
         try:
             with step(f"starting vLLM server for {p.model_name} on {p.url} (log: {p.log})"):

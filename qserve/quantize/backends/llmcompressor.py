@@ -8,6 +8,7 @@ from typing import Any
 
 from qserve.checkpoint.schemes import SCHEMES, scheme_of_checkpoint
 from qserve.errors import QserveError
+from qserve.quantize.backends import frozen_heap
 from qserve.quantize.recipe import Recipe
 
 
@@ -202,7 +203,8 @@ def run_oneshot(
     counter = experts.ExpertTokenCounter(model) if texts else None
     _no_pinned_memory_without_accelerator()
     try:
-        oneshot(model=model, recipe=modifiers, **kwargs)
+        with frozen_heap():
+            oneshot(model=model, recipe=modifiers, **kwargs)
     finally:
         if counter:
             counter.remove()

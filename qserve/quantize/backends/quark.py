@@ -13,6 +13,7 @@ from typing import Any
 from qserve.checkpoint.backends import BACKENDS
 from qserve.checkpoint.schemes import SCHEMES, scheme_of_quark_checkpoint
 from qserve.errors import QserveError
+from qserve.quantize.backends import frozen_heap
 from qserve.quantize.recipe import Recipe
 
 
@@ -57,7 +58,7 @@ def quantize(
     # One sample per batch: Quark iterates the dataloader and calls the model on each item.
     batches = [tokenizer(t, return_tensors="pt", truncation=True, max_length=seq_len)["input_ids"] for t in texts or []]
     quantizer = ModelQuantizer(config)
-    with torch.no_grad():
+    with torch.no_grad(), frozen_heap():
         model = quantizer.quantize_model(model, batches or None)
         model = quantizer.freeze(model)
         export_safetensors(model, out_dir)
