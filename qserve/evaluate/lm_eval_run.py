@@ -13,6 +13,7 @@ from qserve.checkpoint.manifest import VllmArgs
 from qserve.device import detect, engine
 from qserve.evaluate import fallback, stats
 from qserve.evaluate.stats import ItemValues
+from qserve.evaluate.tasks import config_task_manager
 from qserve.progress import step
 
 
@@ -79,7 +80,12 @@ def run_lm_eval(
     with opened as lm:
         with step(f"lm-eval on {label}: {', '.join(names)}{window.describe()}") as timing:
             out = lm_eval.simple_evaluate(
-                model=lm, tasks=configs, log_samples=True, bootstrap_iters=1000, **window.lm_eval(names)
+                model=lm,
+                tasks=configs,
+                task_manager=config_task_manager(),
+                log_samples=True,
+                bootstrap_iters=1000,
+                **window.lm_eval(names),
             )
         extra = during(lm) if during else None
     keep = ("results", "n-samples", "configs", "versions", "higher_is_better")
