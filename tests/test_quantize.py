@@ -103,6 +103,15 @@ def test_existing_output_is_refused_without_force(checkpoints) -> None:
     assert (ckpt / MANIFEST_NAME).read_bytes() == before
 
 
+def _when_calibrating(proc: subprocess.Popen) -> None:
+    """Once llm-compressor quantizes its first module, as the run's own log shows: calibration is under way."""
+    log = Path(os.environ["QSERVE_CACHE_DIR"]) / "logs" / f"quantize-{proc.pid}.log"
+    deadline = time.monotonic() + 300
+    while not (log.is_file() and "compress_module_list" in log.read_text(errors="replace")):
+        assert proc.poll() is None and time.monotonic() < deadline, "calibration never started"
+        time.sleep(0.1)
+
+
 @pytest.mark.slow
 def test_interrupted_quantize_leaves_nothing(tmp_path: Path, embedded_model_dir: Path) -> None:
     out = tmp_path / "out"
@@ -115,7 +124,7 @@ def test_interrupted_quantize_leaves_nothing(tmp_path: Path, embedded_model_dir:
     for line in proc.stderr:  # interrupt once calibration has started
         if line.startswith("> quantizing"):
             break
-    time.sleep(3)
+    _when_calibrating(proc)
     proc.send_signal(signal.SIGTERM)
     rest = proc.stderr.read()
     assert proc.wait(timeout=60) == 130, rest[-2000:]
@@ -241,7 +250,7 @@ def test_force_keeps_the_old_checkpoint_until_the_new_one_is_complete(tmp_path: 
     for line in proc.stderr:
         if line.startswith("> quantizing"):
             break
-    time.sleep(3)
+    _when_calibrating(proc)
     proc.send_signal(signal.SIGTERM)
     proc.stderr.read()
     assert proc.wait(timeout=60) == 130
@@ -258,7 +267,7 @@ def test_sigkill_leaves_a_partial_directory_that_the_next_run_removes(tmp_path: 
     for line in proc.stderr:
         if line.startswith("> quantizing"):
             break
-    time.sleep(3)
+    _when_calibrating(proc)
     proc.kill()  # no handler runs: the partial directory stays
     assert proc.wait(timeout=60) == -signal.SIGKILL
     left = _leftovers(tmp_path)

