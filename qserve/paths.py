@@ -48,6 +48,11 @@ def project_data(name: str) -> Path:
     raise QserveError(f"qserve's {name}/ folder is missing from the installation")
 
 
+def pending_log(name: str, pid: int) -> Path:
+    """The log of process `pid`'s `name` step (e.g. quantize) while its checkpoint does not exist yet."""
+    return cache_dir() / "logs" / f"{name}-{pid}.log"
+
+
 def keep_log(log: Path, ckpt: Path, name: str) -> Path:
     """Move a log written before `ckpt` existed to `<checkpoint>/logs/<name>.log` (logs are not hashed)."""
     target = log_file(ckpt, name)

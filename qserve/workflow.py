@@ -23,7 +23,7 @@ def quantize_logged(recipe: Path, options: QuantizeOptions | None = None, verbos
     """`qserve quantize`: the libraries' output goes to CKPT/logs/quantize.log (the cache's logs/ on failure)."""
     from qserve.quantize.pipeline import quantize
 
-    log = paths.cache_dir() / "logs" / f"quantize-{os.getpid()}.log"  # the checkpoint does not exist yet
+    log = paths.pending_log("quantize", os.getpid())
     with library_output(log, verbose):
         result = quantize(recipe, options)
     paths.keep_log(log, result.output, "quantize")

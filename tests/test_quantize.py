@@ -14,6 +14,7 @@ from conftest import QSERVE, REPO, SHRUNK, run_qserve, small_manifest
 
 from qserve.checkpoint.manifest import MANIFEST_NAME, hash_files, read_manifest, sha256_file, verify_files
 from qserve.errors import QserveError
+from qserve.paths import pending_log
 from qserve.quantize.pipeline import check_shapes
 from qserve.quantize.recipe import load_recipe, parse_recipe
 
@@ -104,8 +105,12 @@ def test_existing_output_is_refused_without_force(checkpoints) -> None:
 
 
 def _when_calibrating(proc: subprocess.Popen) -> None:
-    """Once llm-compressor quantizes its first module, as the run's own log shows: calibration is under way."""
-    log = Path(os.environ["QSERVE_CACHE_DIR"]) / "logs" / f"quantize-{proc.pid}.log"
+    """Once the run's quantize step started and llm-compressor quantized its first module, as the
+    run's own log shows: calibration is under way."""
+    for line in proc.stderr:
+        if line.startswith("> quantizing"):
+            break
+    log = pending_log("quantize", proc.pid)
     deadline = time.monotonic() + 300
     while not (log.is_file() and "compress_module_list" in log.read_text(errors="replace")):
         assert proc.poll() is None and time.monotonic() < deadline, "calibration never started"
@@ -121,9 +126,6 @@ def test_interrupted_quantize_leaves_nothing(tmp_path: Path, embedded_model_dir:
         text=True,
         env=os.environ.copy(),
     )
-    for line in proc.stderr:  # interrupt once calibration has started
-        if line.startswith("> quantizing"):
-            break
     _when_calibrating(proc)
     proc.send_signal(signal.SIGTERM)
     rest = proc.stderr.read()
@@ -247,9 +249,6 @@ def test_force_keeps_the_old_checkpoint_until_the_new_one_is_complete(tmp_path: 
         stderr=subprocess.PIPE,
         text=True,
     )
-    for line in proc.stderr:
-        if line.startswith("> quantizing"):
-            break
     _when_calibrating(proc)
     proc.send_signal(signal.SIGTERM)
     proc.stderr.read()
@@ -264,9 +263,6 @@ def test_sigkill_leaves_a_partial_directory_that_the_next_run_removes(tmp_path: 
     proc = subprocess.Popen(
         [*QSERVE, "quantize", REPO / "recipes" / "w4a16-gptq.yaml", "--output", out], stderr=subprocess.PIPE, text=True
     )
-    for line in proc.stderr:
-        if line.startswith("> quantizing"):
-            break
     _when_calibrating(proc)
     proc.kill()  # no handler runs: the partial directory stays
     assert proc.wait(timeout=60) == -signal.SIGKILL

@@ -94,23 +94,20 @@ def open_engine(
     """
     configure_engine_env(device)
     cls = lm_eval_vllm_class()
-    with frozen_heap():
-        yield from _engine(cls, engine_kwargs(model_path, args, device) | (overrides or {}), args, label)
-
-
-def _engine(cls: type, kwargs: dict[str, Any], args: VllmArgs, label: str) -> Iterator[Any]:
-    with step(
+    starting = (
         f"starting vLLM for {label} (dtype={args.dtype}, quantization={args.quantization}, kv_cache_dtype={args.kv_cache_dtype})"
-    ):
+    )
+    with frozen_heap():
+        with step(starting):
+            try:
+                lm = cls(**(engine_kwargs(model_path, args, device) | (overrides or {})))
+            except BaseException:
+                _destroy_groups()  # an engine that failed to load leaves its groups too (then AWQ's all-reduce ran on them)
+                raise
         try:
-            lm = cls(**kwargs)
-        except BaseException:
-            _destroy_groups()  # an engine that failed to load leaves its groups too (then AWQ's all-reduce ran on them)
-            raise
-    try:
-        yield lm
-    finally:
-        _shutdown(lm)
+            yield lm
+        finally:
+            _shutdown(lm)
 
 
 def _shutdown(lm: Any) -> None:
