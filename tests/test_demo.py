@@ -55,7 +55,9 @@ def test_the_terminal_shows_qserve_steps_and_the_logs_hold_the_libraries(demo_ru
     logs = demo_run.ckpt / "logs"
     assert "Compression lifecycle" in (logs / "quantize.log").read_text()  # llm-compressor's loguru
     assert "Processed prompts" in (logs / "eval.log").read_text()  # vLLM's tqdm
-    assert "Application startup complete" in (logs / "serve.log").read_text()  # vLLM's API server
+    served = (logs / "serve.log").read_text()
+    assert "Application startup complete" in served  # vLLM's API server
+    assert "(EngineCore pid=" in served and "(Worker pid=" not in served  # its worker runs in the engine core
 
 
 @pytest.mark.slow

@@ -28,6 +28,27 @@ SHAPE = {
 W4A16_128 = "name: t\nscheme: W4A16\ncalibration: {path: gsm8k/train.jsonl}\n"
 
 
+def test_embedded_model_holds_the_ggufs_own_dequantized_weights(embedded_model_dir: Path) -> None:
+    """The conversion (transformers, with gguf's reader shared across its four reads) against gguf's
+    own dequantization of the same tensors, read here independently."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from qserve.checkpoint.models import embedded_gguf
+
+    tensors = {t.name: t for t in gguf.GGUFReader(embedded_gguf()).tensors}
+    converted = load_file(embedded_model_dir / "model.safetensors")
+    # Not attn_q/attn_k: the GGUF stores those permuted for llama.cpp's rotary layout.
+    for gguf_name, hf_name in [
+        ("token_embd.weight", "model.embed_tokens.weight"),
+        ("blk.7.ffn_down.weight", "model.layers.7.mlp.down_proj.weight"),
+    ]:
+        t = tensors[gguf_name]
+        expected = gguf.dequantize(t.data, t.tensor_type).reshape(converted[hf_name].shape)
+        assert t.tensor_type != gguf.GGMLQuantizationType.F32 and np.array_equal(converted[hf_name], expected), hf_name
+
+
 def test_shape_check_names_layers_and_fix(embedded_model_dir: Path) -> None:
     with pytest.raises(QserveError) as e:
         check_shapes(embedded_model_dir, parse_recipe(W4A16_128))  # preset group 128; hidden size 576

@@ -271,3 +271,9 @@ def test_cuda_engine_arguments_and_environment(tmp_path: Path, monkeypatch) -> N
     served = plan(tmp_path / "ck", manifest(kv_cache_dtype="fp8"), GPU, Endpoint())
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in served.env and "VLLM_ALLOW_INSECURE_SERIALIZATION" not in served.env
     assert "--enforce-eager" not in served.command and "--kv-cache-memory-bytes" not in served.command
+    # On CPU the served engine core keeps its worker in-process, as the eval engine does.
+    cpu_env = plan(tmp_path / "ck", manifest(), CPU, Endpoint()).env
+    assert {key: cpu_env[key] for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_NUM_OF_RESERVED_CPU")} == {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    }

@@ -112,12 +112,15 @@ def _options(
     options += [("--served-model-name", ckpt.resolve().name), ("--max-model-len", str(engine.MAX_MODEL_LEN))]
     env = passthrough.served_environment(STARTUP_ENVIRONMENT)
     if device.kind == "cpu":
-        # The same engine settings the gate was decided with (see engine.engine_kwargs). Not the
-        # executor: vLLM-CPU forces its multiprocess executor whenever the engine core runs in its
-        # own process, as it always does under the API server (vllm/platforms/cpu.py, "OMP requires
-        # the MP executor"), so serve has its own column in the support matrix.
+        # The engine settings the gate was decided with (engine.engine_kwargs and engine_env). Under
+        # the API server the engine core is always a process of its own; with engine_env's
+        # VLLM_ENABLE_V1_MULTIPROCESSING=0 vLLM-CPU keeps its one-worker default, the in-process
+        # executor, as the eval engine does, instead of forcing a spawned worker
+        # (vllm/platforms/cpu.py): one interpreter fewer, ready 27.5 -> 19.9 s and 300-token
+        # decode 5.0 -> 4.5 s measured here, the same logprobs.
         options += [("--kv-cache-memory-bytes", str(engine.CPU_KV_CACHE_BYTES)), ("--enforce-eager", None)]
-        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        for key, value in engine.engine_env(device).items():
+            env.setdefault(key, value)
     if args.trust_remote_code:
         options.append(("--trust-remote-code", None))
     if endpoint.api_key:
