@@ -209,7 +209,6 @@ SHRUNK = {
     "w4a16-gptq",
     "w4a16-autoround",
     "fp8-kv",
-    "w8a8-int8-2of4",
 }
 
 

@@ -113,9 +113,16 @@ def test_corrupt_parquet_is_one_clear_error(tmp_path: Path) -> None:
 
 
 def test_hub_dataset_offline_is_one_clear_error(tmp_path: Path, monkeypatch) -> None:
+    import datasets.config
+    import huggingface_hub.constants
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # fail at once rather than after network retries
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    # The libraries read the variables once, at import; an earlier test may have imported them (then
+    # this test waited ~20 s for the retries).
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     with pytest.raises(QserveError, match=r"could not load calibration dataset openai/gsm8k \(main\) split train: "):
         load_texts(spec(dataset="openai/gsm8k", subset="main", text="{question}"), tmp_path)
 
