@@ -11,6 +11,7 @@ import pytest
 from conftest import (
     ALLOWED_USES,
     API_KEY,
+    REPO,
     Server,
     assert_served_text_equals_the_eval_engines,
     copy_checkpoint,
@@ -163,7 +164,7 @@ def test_serve_refuses_tampered_weights(passed_eval, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_serve_refuses_occupied_port(passed_eval) -> None:
+def test_serve_refuses_occupied_port_and_run_refuses_it_before_any_work(passed_eval, tmp_path: Path) -> None:
     import socket
 
     with socket.socket() as s:
@@ -171,8 +172,11 @@ def test_serve_refuses_occupied_port(passed_eval) -> None:
         s.listen()
         port = s.getsockname()[1]
         proc = run_qserve("serve", passed_eval[0], "--port", str(port))
-    assert proc.returncode == 1
-    assert f"cannot listen on 127.0.0.1:{port}" in proc.stderr
+        run = run_qserve("run", REPO / "recipes" / "w8a8-int8.yaml", "--output", tmp_path / "out", "--port", str(port))
+    message = f"error: cannot listen on 127.0.0.1:{port}: Address already in use; pick another --port"
+    assert (proc.returncode, proc.stderr.strip().splitlines()[-1]) == (1, message)
+    assert (run.returncode, run.stderr.strip().splitlines()) == (1, [message])  # not after minutes of quantizing
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow

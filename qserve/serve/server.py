@@ -41,6 +41,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 def ensure_port_free(host: str, port: int) -> None:
     """Refuse a port another process listens on. SO_REUSEADDR as uvicorn sets it: connections of a
     server that just stopped (TIME_WAIT) do not keep vLLM from listening, so they do not refuse it."""
+    host = host.strip("[]")  # an IPv6 address as a URL writes it
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -125,7 +126,7 @@ def running(
     vLLM's output goes to the plan's log file (and to stderr as well with `verbose`).
     """
     host, _, port = p.url.partition("://")[2].rpartition(":")
-    ensure_port_free(host.strip("[]"), int(port))
+    ensure_port_free(host, int(port))
     with _log_sink(p.log, verbose) as sink:
         server = ProcessGroup(command or p.command, env=p.env, stdout=sink.stdout, grace=grace)
         sink.start(server.proc)
