@@ -26,9 +26,9 @@ test-fast: setup
 	$(UV) run --locked --extra cpu pytest -ra -m "not slow"
 
 # Every architecture x every shipped scheme, run for real on tiny random-initialised models; regenerates
-# docs/architectures.md and its .json. 99 cells: about 40 minutes with `qserve matrix --no-serve` on 2
-# cores (measured 2026-11-25), plus about 80 s per passing cell for serving (vLLM's API server starts once
-# per cell). `--resume` keeps what an interrupted run finished, and serves cells an earlier run did not.
+# docs/architectures.md and its .json. 99 cells, 54 of them served: 44 minutes on 2 cores (measured
+# 2026-11-25, commit 24a8ada; a served cell's `qserve serve` start and chat request 19-34 s, median 22 s).
+# `--resume` keeps what an interrupted run finished, and serves cells an earlier run did not.
 matrix: setup
 	$(UV) run --locked --extra cpu qserve matrix --out docs/architectures.md
 
