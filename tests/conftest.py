@@ -200,16 +200,7 @@ def quantize_in_process(recipe: Path, out: Path) -> Path:
 
 # Recipes added for the scheme matrix calibrate on less data in tests (same schema, scheme and
 # code path; the shipped counts are for quality): keeps the suite's wall time in check.
-SHRUNK = {
-    "w4a16-awq",
-    "w4a16-fp8kv",
-    "fp8-static",
-    "quark-fp8-kv",
-    "nvfp4",
-    "w4a16-gptq",
-    "w4a16-autoround",
-    "fp8-kv",
-}
+SHRUNK = {"w4a16-awq", "w4a16-fp8kv", "fp8-static", "quark-fp8-kv", "nvfp4", "w4a16-gptq", "w4a16-autoround", "fp8-kv"}
 
 
 def recipe_for_tests(name: str, root: Path) -> Path:
