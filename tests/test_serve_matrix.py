@@ -33,38 +33,12 @@ SERVABLE = {
 GENERIC = sorted(set(SERVABLE) - {"fp8", "w8a8-int8"})
 
 
-class Servers:
-    """Each selected checkpoint's `qserve serve`, started one test ahead. A vLLM-CPU server start is
-    mostly single-core imports (API server, then engine core), so the next checkpoint is
-    quantized and its server started while this test's server starts and its eval engine answers.
-    Two servers at a time (~4 GB each), not all: the test process already holds several GB."""
-
-    def __init__(self, checkpoints, order: list[str]) -> None:
-        self.checkpoints, self.order, self.started = checkpoints, order, {}
-
-    def take(self, name: str) -> Server:
-        server = self.started.pop(name, None) or self._start(name)
-        following = self.order[self.order.index(name) + 1 :]
-        if following and following[0] not in self.started:
-            self.started[following[0]] = self._start(following[0])
-        return server
-
-    def _start(self, name: str) -> Server:
-        return Server(self.checkpoints[name], "--skip-gate", wait=False)
-
-    def close(self) -> None:
-        for server in self.started.values():
-            server.close()
-
-
-@pytest.fixture(scope="module")
-def servers(request, checkpoints):
-    """The servers this module's selected tests use, in the order they run."""
-    tests = [item for item in request.session.items if item.module is request.module]
-    order = [t.callspec.params["name"] if hasattr(t, "callspec") else "fp8" for t in tests if "servers" in t.fixturenames]
-    started = Servers(checkpoints, order)
-    yield started
-    started.close()
+def start_server(checkpoints, name: str) -> Server:
+    """`qserve serve` of the recipe's checkpoint, not yet waited for: vLLM's server (mostly single-core
+    imports) starts while the test's eval engine answers. Nothing more overlaps: quantizing the next
+    checkpoint during a start (two torch jobs on two cores) made this module slower, 226.8 s against
+    199.8 s without (2026-11-25, the module alone)."""
+    return Server(checkpoints[name], "--skip-gate", wait=False)
 
 
 def test_serve_column_is_exactly_what_this_module_proves() -> None:
@@ -76,8 +50,8 @@ def test_serve_column_is_exactly_what_this_module_proves() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", GENERIC)
-def test_served_text_equals_the_eval_engines(servers, name: str) -> None:
-    server = servers.take(name)  # vLLM's server starts while the eval engine answers
+def test_served_text_equals_the_eval_engines(checkpoints, name: str) -> None:
+    server = start_server(checkpoints, name)
     try:
         assert_served_text_equals_the_eval_engines(server)
     finally:
@@ -85,11 +59,11 @@ def test_served_text_equals_the_eval_engines(servers, name: str) -> None:
 
 
 @pytest.mark.slow
-def test_fp8_served_token_equals_the_eval_engines_which_matches_transformers(servers) -> None:
+def test_fp8_served_token_equals_the_eval_engines_which_matches_transformers(checkpoints) -> None:
     """FP8_DYNAMIC, at ~30 s a token here, in one engine run for both checks: the eval engine's
     greedy tokens match transformers' emulation (parity, as test_engine does for the other schemes)
     and the server's first token is the eval engine's."""
-    server = servers.take("fp8")
+    server = start_server(checkpoints, "fp8")
     ckpt = server.ckpt
     manifest = read_manifest(ckpt)
     try:

@@ -94,6 +94,7 @@ VLLM_ENV_PASS = {
     "VLLM_NO_USAGE_STATS", "VLLM_DO_NOT_TRACK", "VLLM_CACHE_ROOT", "VLLM_CONFIG_ROOT", "VLLM_RPC_TIMEOUT",
     "VLLM_ENGINE_READY_TIMEOUT_S", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "VLLM_HOST_IP", "VLLM_PORT",
     "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "VLLM_WORKER_MULTIPROC_METHOD",
+    "VLLM_ENABLE_V1_MULTIPROCESSING",  # in-process worker or not: qserve's own CPU plan sets it (serve/plan.py)
 }
 # fmt: on
 # The key is the caller's choice (`api_key`), never an inherited one.
