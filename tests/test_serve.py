@@ -330,8 +330,8 @@ def test_sigkill_of_a_ready_server_leaves_no_process_and_frees_the_port(producti
     proc = production_server.proc
     children = [int(c) for c in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
     (server,) = [c for c in children if b"qserve.device.vllm_cli" in Path(f"/proc/{c}/cmdline").read_bytes()]
-    members = group_members(server)
-    assert len(members) >= 2  # the API server and its engine core, at least
+    roles = sorted(_role(Path(f"/proc/{pid}/cmdline").read_bytes()) for pid in group_members(server))
+    assert roles == ["API server", "engine core", "resource tracker"], roles  # the worker runs inside the engine core
     proc.kill()
     proc.wait(timeout=10)
     deadline = time.monotonic() + GRACE_SECONDS + 10
@@ -339,3 +339,16 @@ def test_sigkill_of_a_ready_server_leaves_no_process_and_frees_the_port(producti
         time.sleep(0.2)
     assert group_members(server) == []
     ensure_port_free("127.0.0.1", production_server.port)  # a new `qserve serve --port` may listen there
+
+
+def _role(cmdline: bytes) -> str:
+    """What a process of the served group is, from its command line: vLLM's API server, the engine core
+    it spawns, or the resource tracker Python's spawn start method runs beside them."""
+    for marker, role in (
+        (b"qserve.device.vllm_cli", "API server"),
+        (b"VLLM::EngineCore", "engine core"),  # the title vLLM gives the process it spawns
+        (b"multiprocessing.resource_tracker", "resource tracker"),
+    ):
+        if marker in cmdline:
+            return role
+    return cmdline.replace(b"\0", b" ").decode(errors="replace")
