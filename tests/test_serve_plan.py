@@ -8,7 +8,6 @@ import pytest
 from conftest import ALLOWED_USES, small_manifest
 
 from qserve.checkpoint.manifest import Manifest, VllmArgs
-from qserve.device import passthrough
 from qserve.device.detect import Device
 from qserve.errors import QserveError
 from qserve.serve.plan import Endpoint, plan
@@ -279,4 +278,6 @@ def test_cuda_engine_arguments_and_environment(tmp_path: Path, monkeypatch) -> N
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     }
     # ... and a `qserve serve` started in that environment (as `qserve bench --suite` starts one) passes all of it on.
-    assert passthrough.served_environment(cpu_env) == cpu_env
+    from qserve.device.passthrough import served_environment
+
+    assert served_environment(cpu_env) == cpu_env
