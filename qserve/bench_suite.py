@@ -13,17 +13,21 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qserve import paths
 from qserve.bench_throughput import eval_throughput
 from qserve.bench_throughput import markdown as throughput_markdown
-from qserve.checkpoint.manifest import read_manifest
+from qserve.checkpoint.manifest import Manifest, read_manifest
 from qserve.checkpoint.tensors import quantized_layer_bytes
 from qserve.device import detect, engine, throughput
 from qserve.errors import QserveError
 from qserve.progress import info, step
+
+if TYPE_CHECKING:
+    from qserve.serve.bench import Load
 
 GOALS = {
     "help_seconds": ("<=", 0.5),
@@ -150,44 +154,56 @@ def quantize_vs_oneshot(recipe: Path, work: Path, data_dir: Path) -> dict[str, A
     }
 
 
-SERVE_ROUNDS = 5
+SERVE_ROUNDS = 3  # per start order
 
 
 def serve_vs_vllm(ckpt: Path, rounds: int = SERVE_ROUNDS) -> dict[str, Any]:
     """The same load through `qserve serve` and through `vllm serve` with the same arguments.
 
-    Both servers run at once, idle but for the load one of them gets: `rounds` loads each, taken
-    in turns (vllm, qserve; then qserve, vllm; ...), after one untimed load each. Drift over the
-    run then reaches both sides alike; the ratio is of the medians. (Four servers started one after
-    another for a load each spread 5 % per side, so a 2 % goal could not be read from them.)"""
-    from qserve.checkpoint.manifest import read_manifest
-    from qserve.serve.bench import Load, run_load
+    Both servers run at once, idle but for the load one of them gets, and take `rounds` loads each
+    in turns after one untimed load each; then both are started again in the other order for as
+    many more. The ratio is of the medians over all runs. Measured here: four servers started one
+    after another for a load each spread 5 % per side (ratio 0.974); two at once for 5 loads each
+    gave 1.048 with vllm serve started first and 0.997 with qserve serve first."""
+    from qserve.serve.bench import Load
+
+    manifest, load = read_manifest(ckpt), Load()
+    results: dict[str, list[dict]] = {"qserve": [], "vllm": []}
+    for order in (("vllm", "qserve"), ("qserve", "vllm")):
+        with step(f"serving benchmark: {' then '.join(order)} started, {rounds} loads each in turns"):
+            for side, runs in _serve_in_turns(ckpt, manifest, order, rounds, load).items():
+                results[side] += runs
+    q, v = (statistics.median(r["output_throughput"] for r in results[side]) for side in ("qserve", "vllm"))
+    return {"serve_qserve": results["qserve"], "serve_vllm": results["vllm"], "serve_throughput_ratio": round(q / v, 3)}
+
+
+def _serve_in_turns(ckpt: Path, manifest: Manifest, order: tuple[str, str], rounds: int, load: Load) -> dict[str, list[dict]]:
+    """Start both servers in `order`, then an untimed load each and `rounds` timed loads each in turns."""
+    from qserve.serve.bench import run_load
     from qserve.serve.plan import Endpoint, plan
     from qserve.serve.server import free_port, running
 
-    manifest, device, load = read_manifest(ckpt), detect.detect_device(), Load()
-    results: dict[str, list[dict]] = {"qserve": [], "vllm": []}
+    results: dict[str, list[dict]] = {side: [] for side in order}
     with ExitStack() as stack:
         plans = {}
-        for side in ("vllm", "qserve"):
-            p = plans[side] = plan(ckpt, manifest, device, Endpoint(port=free_port()))
+        for side in order:
+            p = plan(ckpt, manifest, detect.detect_device(), Endpoint(port=free_port()))
             port = p.url.rsplit(":", 1)[1]
             qserve_cmd = [sys.executable, "-m", "qserve.cli", "serve", str(ckpt), "--port", port, "--skip-gate"]
+            # A log each: the two run at once (qserve serve writes its vLLM's to the plan's own, serve.log)
+            p = plans[side] = replace(p, log=p.log.with_name(f"bench-{side}.log"))
             stack.enter_context(running(p, p.command if side == "vllm" else qserve_cmd))
-        with step(f"serving benchmark: {rounds} loads on each server, in turns"):
-            for side in ("vllm", "qserve"):
-                run_load(plans[side].url, plans[side].model_name, ckpt, load)  # untimed
-            for i in range(rounds):
-                for side in ("vllm", "qserve") if i % 2 == 0 else ("qserve", "vllm"):
-                    results[side].append(run_load(plans[side].url, plans[side].model_name, ckpt, load))
-    q, v = (statistics.median(r["output_throughput"] for r in results[side]) for side in ("qserve", "vllm"))
-    return {"serve_qserve": results["qserve"], "serve_vllm": results["vllm"], "serve_throughput_ratio": round(q / v, 3)}
+        for side in order:
+            run_load(plans[side].url, plans[side].model_name, ckpt, load)  # untimed
+        for i in range(rounds):
+            for side in order if i % 2 == 0 else order[::-1]:
+                results[side].append(run_load(plans[side].url, plans[side].model_name, ckpt, load))
+    return results
 
 
 def eval_vs_lm_eval(ckpt: Path, work: Path, data_dir: Path) -> dict[str, Any]:
     """`qserve eval` (hashing, checks, two engines, gate bounds, reports; no parity, baseline
     re-run) against a bare lm-eval script doing the same evaluations with the same engines."""
-    from qserve.checkpoint.manifest import read_manifest
     from qserve.checkpoint.models import baseline_model
     from qserve.evaluate.tasks import get_tasks, lm_eval_config
 
@@ -237,7 +253,6 @@ def _scratch_cache(work: Path) -> Iterator[None]:
 
 def decode_vs_baseline(ckpts: dict[str, Path]) -> dict[str, Any]:
     """Offline decode throughput in vLLM, each quantized checkpoint against the baseline."""
-    from qserve.checkpoint.manifest import read_manifest
     from qserve.checkpoint.models import baseline_model
 
     device = detect.detect_device()
