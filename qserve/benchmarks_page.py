@@ -36,7 +36,10 @@ measures and reports against the goals.
   demo's gate without the parity check) against a bare lm-eval script on vLLM that evaluates the same
   two models with the same task config, limit, engine arguments and environment.
 - **serve_throughput_ratio**: `qserve serve` against `vllm serve` with the same arguments, under vLLM's
-  own benchmark load.
+  own benchmark load: both servers up at once, loads in turns, both start orders (the server started
+  second measured 2-5 % faster here); the ratio of the medians.
+- **Eval throughput**: the matmul rate is the faster of torch's kernels and vLLM-CPU's oneDNN kernels
+  on square products (torch's float32 goes through MKL, at less than half of oneDNN's rate here).
 - **Decode**: tokens/s of each scheme in vLLM against the float32 baseline, offline.
 """
 
