@@ -100,7 +100,7 @@ def lm_eval_vllm_class() -> type:
 
     class VLLM(lm_eval_own_vllm_class()):
         def _model_generate(self, requests: list[list[int]], generate: bool = False, sampling_params: Any = None) -> Any:
-            if not generate or sampling_params is None:  # a scoring request, as lm-eval's test
+            if not generate or sampling_params is None:  # lm-eval's own test for a scoring call
                 return super()._model_generate(requests, True, scoring)
             return super()._model_generate(requests, generate, sampling_params)
 

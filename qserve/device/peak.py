@@ -13,9 +13,6 @@ from pathlib import Path
 PEAK_SIZES = (512, 1024, 2048, 4096)
 
 
-KERNELS = ("torch", "vllm")
-
-
 def matmul_gflops(dtype: str, sizes: tuple[int, ...] = PEAK_SIZES, seconds: float = 1.5) -> dict[str, float]:
     """GFLOP/s of the fastest square matmul in `dtype` (float32, bfloat16, int8) on all of torch's
     threads, per kernel library: "torch" (a @ b; int8: torch._int_mm, int32 accumulation) and "vllm"
@@ -23,14 +20,14 @@ def matmul_gflops(dtype: str, sizes: tuple[int, ...] = PEAK_SIZES, seconds: floa
     with per-token activation and per-channel weight scales, as W8A8 runs). The machine's peak is the
     faster of the two: torch's float32 goes through MKL, which on this AMD EPYC reached 222.7 GFLOP/s
     while vLLM's float32 eval ran at 148 % of the bound that rate gave."""
-    return {kernel: max(_square_gflops(dtype, size, seconds, kernel) for size in sizes) for kernel in KERNELS}
+    return {kernel: max(_square_gflops(dtype, size, seconds, kernel) for size in sizes) for kernel in _KERNELS}
 
 
 def _square_gflops(dtype: str, size: int, seconds: float, kernel: str) -> float:
     import torch
 
     torch.manual_seed(0)
-    run = _vllm_matmul(dtype, size) if kernel == "vllm" else _torch_matmul(dtype, size)
+    run = _KERNELS[kernel](dtype, size)
     run()  # warm-up: packing buffers, thread pool
     best, deadline = float("inf"), time.perf_counter() + seconds
     while time.perf_counter() < deadline:
@@ -68,6 +65,10 @@ def _vllm_matmul(dtype: str, size: int) -> Callable[[], object]:
     handler = ops.create_onednn_mm(weight, 32)
     x = torch.randn(size, size).to(getattr(torch, dtype))
     return lambda: ops.onednn_mm(handler, x, None)
+
+
+# kernel library -> a square product of that dtype and size in it, ready to time
+_KERNELS: dict[str, Callable[[str, int], Callable[[], object]]] = {"torch": _torch_matmul, "vllm": _vllm_matmul}
 
 
 def flops_per_token(model_dir: Path, context: float = 0.0) -> dict[str, float]:
