@@ -25,26 +25,26 @@ def test_key_tracks_what_determines_the_score(isolated_cache: Path) -> None:
     data = isolated_cache / "test.jsonl"
     data.write_text('{"q": 1}\n')
     engine = {"pretrained": "/a", "dtype": "float32"}
-    key = baselines.task_key("m1", _config(data), 10, engine, "cpu")
-    assert key == baselines.task_key("m1", _config(data), 10, engine, "cpu")  # stable across calls
+    key = baselines.task_key("m1", _config(data), 10, engine, "cpu", scoring=None)
+    assert key == baselines.task_key("m1", _config(data), 10, engine, "cpu", scoring=None)  # stable across calls
     # The model's path is not part of it (the content hash is); the data file's content is.
-    assert key == baselines.task_key("m1", _config(data), 10, engine | {"pretrained": "/b"}, "cpu")
+    assert key == baselines.task_key("m1", _config(data), 10, engine | {"pretrained": "/b"}, "cpu", scoring=None)
     changed = [
-        baselines.task_key("m2", _config(data), 10, engine, "cpu"),
-        baselines.task_key("m1", _config(data, fewshot=0), 10, engine, "cpu"),
-        baselines.task_key("m1", _config(data), 20, engine, "cpu"),
-        baselines.task_key("m1", _config(data), 10, engine | {"dtype": "bfloat16"}, "cpu"),
-        baselines.task_key("m1", _config(data), 10, engine, "cuda"),
+        baselines.task_key("m2", _config(data), 10, engine, "cpu", scoring=None),
+        baselines.task_key("m1", _config(data, fewshot=0), 10, engine, "cpu", scoring=None),
+        baselines.task_key("m1", _config(data), 20, engine, "cpu", scoring=None),
+        baselines.task_key("m1", _config(data), 10, engine | {"dtype": "bfloat16"}, "cpu", scoring=None),
+        baselines.task_key("m1", _config(data), 10, engine, "cuda", scoring=None),
     ]
     assert all(k != key for k in changed)
     data.write_text('{"q": 2}\n')
-    assert baselines.task_key("m1", _config(data), 10, engine, "cpu") != key
+    assert baselines.task_key("m1", _config(data), 10, engine, "cpu", scoring=None) != key
 
 
 def test_store_lookup_and_damaged_entries(isolated_cache: Path) -> None:
     data = isolated_cache / "test.jsonl"
     data.write_text("{}\n")
-    key = baselines.task_key("m", _config(data), None, {}, "cpu")
+    key = baselines.task_key("m", _config(data), None, {}, "cpu", scoring=None)
     assert baselines.lookup(key) is None
     path = baselines.store(key, {"results": {"acc,none": 0.5}}, {"acc,none": {"0": 1.0}})
     assert baselines.lookup(key)["items"] == {"acc,none": {"0": 1.0}}
@@ -71,13 +71,13 @@ def test_key_covers_torch_transformers_and_the_device_in_detail(isolated_cache: 
     data = isolated_cache / "test.jsonl"
     data.write_text("{}\n")
     real = baselines.library_versions()
-    key = baselines.task_key("m", _config(data), 10, {}, "cpu: A; avx2")
+    key = baselines.task_key("m", _config(data), 10, {}, "cpu: A; avx2", scoring=None)
     assert (key["torch"], key["transformers"]) == (real["torch"], real["transformers"])
     for name in ("torch", "transformers", "lm-eval"):
         monkeypatch.setattr(baselines, "library_versions", lambda n=name: real | {n: "0.0.0"})
-        assert baselines.task_key("m", _config(data), 10, {}, "cpu: A; avx2") != key, name
+        assert baselines.task_key("m", _config(data), 10, {}, "cpu: A; avx2", scoring=None) != key, name
     monkeypatch.undo()
-    assert baselines.task_key("m", _config(data), 10, {}, "cpu: A; avx2 avx512f") != key  # another ISA
+    assert baselines.task_key("m", _config(data), 10, {}, "cpu: A; avx2 avx512f", scoring=None) != key  # another ISA
     assert fingerprint(Device("cuda", "NVIDIA H100 (compute capability 9.0)")) == "cuda: NVIDIA H100 (compute capability 9.0)"
     here = fingerprint(Device("cpu", "vLLM CPU build"))
     assert here.startswith("cpu: ") and "avx2" in here.split("; ")[1].split()
@@ -93,11 +93,31 @@ def test_key_follows_the_code_of_a_function_hook(isolated_cache: Path, monkeypat
     hook.write_text("def process_docs(ds):\n    return ds\n")
     monkeypatch.syspath_prepend(str(isolated_cache))
     module = importlib.import_module("qserve_test_hook")
-    key = baselines.task_key("m", _config(data) | {"process_docs": module.process_docs}, None, {}, "cpu")
+    key = baselines.task_key("m", _config(data) | {"process_docs": module.process_docs}, None, {}, "cpu", scoring=None)
     hook.write_text("def process_docs(ds):\n    return ds.select(range(1))\n")  # same name, other behaviour
     module = importlib.reload(module)
-    assert baselines.task_key("m", _config(data) | {"process_docs": module.process_docs}, None, {}, "cpu") != key
+    assert baselines.task_key("m", _config(data) | {"process_docs": module.process_docs}, None, {}, "cpu", scoring=None) != key
     del sys.modules["qserve_test_hook"]
+
+
+def test_key_follows_the_code_of_qserve_scoring(isolated_cache: Path, monkeypatch) -> None:
+    """A change to how qserve scores (the function that makes its lm-eval model class) makes every
+    cached baseline miss, as an edited hook does (test_demo checks that eval passes qserve's own)."""
+    import importlib
+    import sys
+
+    data = isolated_cache / "test.jsonl"
+    data.write_text("{}\n")
+    code = isolated_cache / "qserve_test_scoring.py"
+    code.write_text("def lm_eval_vllm_class():\n    return 'sum of log-probabilities'\n")
+    monkeypatch.syspath_prepend(str(isolated_cache))
+    module = importlib.import_module("qserve_test_scoring")
+    key = baselines.task_key("m", _config(data), None, {}, "cpu", scoring=module.lm_eval_vllm_class)
+    assert key != baselines.task_key("m", _config(data), None, {}, "cpu", scoring=None)
+    code.write_text("def lm_eval_vllm_class():\n    return 'mean of log-probabilities'\n")  # same name, other scores
+    module = importlib.reload(module)
+    assert baselines.task_key("m", _config(data), None, {}, "cpu", scoring=module.lm_eval_vllm_class) != key
+    del sys.modules["qserve_test_scoring"]
 
 
 def test_model_digest_reads_content_not_size_and_mtime(isolated_cache: Path) -> None:

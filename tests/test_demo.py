@@ -76,7 +76,8 @@ def test_a_second_run_goes_straight_to_serving_and_ctrl_c_stops_it(demo_run: Dem
 
 
 @pytest.mark.slow
-def test_a_changed_recipe_or_gate_is_not_reused(demo_run: DemoRun, tmp_path: Path) -> None:
+def test_a_changed_recipe_or_gate_is_not_reused(demo_run: DemoRun, tmp_path: Path, monkeypatch) -> None:
+    from qserve.evaluate import evaluation
     from qserve.evaluate.evaluation import EvalOptions, reusable_eval
     from qserve.evaluate.gates import parse_cli_gates
     from qserve.workflow import why_stale
@@ -95,6 +96,8 @@ def test_a_changed_recipe_or_gate_is_not_reused(demo_run: DemoRun, tmp_path: Pat
     assert reusable_eval(demo_run.ckpt, EvalOptions(**asked, check_parity=False)) is None
     stricter = parse_cli_gates(["gsm8k_ppl:max_increase=0.01"])
     assert reusable_eval(demo_run.ckpt, EvalOptions(**asked, gates=stricter)) is None
+    monkeypatch.setattr(evaluation, "_scoring", lambda plan: test_a_changed_recipe_or_gate_is_not_reused)
+    assert reusable_eval(demo_run.ckpt, EvalOptions(**asked)) is None  # another way of scoring
 
 
 @pytest.mark.slow

@@ -53,6 +53,9 @@ def test_eval_writes_results_and_passes(passed_eval) -> None:
         "trust_remote_code": False,
     }
     assert summary["engine_args"]["baseline"]["dtype"] == "float32"
+    # Both sides scored by qserve's lm-eval class, named with the hash of its source (as the baseline key is).
+    name, source_sha = summary["scoring"].split(":")
+    assert name == "qserve.device.engine.lm_eval_vllm_class" and len(source_sha) == 16
 
 
 @pytest.mark.slow

@@ -89,6 +89,17 @@ def _stop(proc: subprocess.Popen, sig: int) -> tuple[int, float, str]:
     return code, time.monotonic() - start, proc.stderr.read()
 
 
+def _wait_ignoring_sigterm(pid: int) -> None:
+    """Until the process's ignored-signal mask (/proc/PID/status, SigIgn) holds SIGTERM."""
+    bit, deadline = 1 << (signal.SIGTERM - 1), time.monotonic() + 60
+    while True:
+        status = Path(f"/proc/{pid}/status").read_text()
+        if int(status.split("SigIgn:")[1].split()[0], 16) & bit:
+            return
+        assert time.monotonic() < deadline, "the grandchild never ignored SIGTERM"
+        time.sleep(0.05)
+
+
 def _dead(pid: int) -> bool:
     """Gone, or a zombie waiting for init to reap it (an orphaned grandchild is init's to reap)."""
     try:
@@ -107,7 +118,7 @@ def _assert_group_gone(pids: Path) -> None:
 @pytest.mark.parametrize(("sig", "code", "name"), [(signal.SIGINT, 130, "SIGINT"), (signal.SIGTERM, 143, "SIGTERM")])
 def test_signal_during_start_up_kills_a_group_that_ignores_sigterm(tmp_path: Path, sig: int, code: int, name: str) -> None:
     proc, pids, _ = _start(tmp_path, "never")
-    time.sleep(1)
+    _wait_ignoring_sigterm(int(pids.read_text().split()[1]))  # the grandchild is up and ignores SIGTERM
     exit_code, seconds, stderr = _stop(proc, sig)
     assert exit_code == code
     assert stderr.strip().splitlines()[-1] == f"stopped by {name}"

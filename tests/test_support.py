@@ -157,6 +157,7 @@ def test_unrunnable_checkpoint_is_evaluated_emulated_and_refused_by_serve(checkp
     assert summary["verdict"] == "inconclusive" and summary["gates"][0]["items_needed"] == min_items(summary["look"]["level"])
     assert "3 items are too few for a pass" in summary["gates"][0]["reason"]
     assert (summary["emulated"], summary["engine"], summary["parity"]["status"]) == (True, "transformers", "skipped")
+    assert summary["scoring"] is None  # lm-eval's own HFLM scores
     assert summary["engine_args"]["quantized"]["backend_kind"] == "transformers"
     assert "results are EMULATED" in proc.stderr
     assert "**Emulated**" in (ckpt / "qserve_eval.md").read_text()

@@ -50,6 +50,7 @@ class EvalRecord(BaseModel):
     kv_cache: dict[str, Any] | None = None
     emulated: bool = False  # true: scores come from transformers, not vLLM
     engine: Literal["vllm", "transformers"] | None = None
+    scoring: str | None = None  # qserve's lm-eval class by name and source hash; None: lm-eval's own
     vllm_support: dict[str, Any] | None = None
     decode: dict[str, Any] | None = None
     scheme: str | None = None

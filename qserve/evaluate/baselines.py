@@ -2,8 +2,9 @@
 
 A baseline depends on the model's bytes, the task (config, data files by content, few-shot
 count, the source code of any `!function` hook), the item limit, the lm-eval, vLLM, torch and
-transformers versions, the engine arguments and the device in detail (CPU model and ISA flags,
-or GPU name and compute capability), so all of them go into the key; change any one and the
+transformers versions, the engine arguments, the source code of qserve's scoring (its lm-eval model
+class) and the device in detail (CPU model and ISA flags, or GPU name and compute capability), so
+all of them go into the key; change any one and the
 baseline runs again. Entries are per task: adding a task to a gate reuses the others.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -23,10 +25,14 @@ from qserve.checkpoint.records import write_json
 FORMAT = 2
 
 
-def task_key(model_hash: str, task_config: dict, limit: int | None, engine: dict[str, Any], device: str) -> dict:
+def task_key(
+    model_hash: str, task_config: dict, limit: int | None, engine: dict[str, Any], device: str, *, scoring: Callable | None
+) -> dict:
     """What a baseline score depends on (data files and hooks by content, not by path or name).
 
     `device` is detect.fingerprint(): the kind plus CPU model and ISA flags, or GPU and capability.
+    `scoring` is the function that makes qserve's lm-eval model class, keyed by its source as a hook
+    is (None where lm-eval's own class scores, pinned by lm-eval's version).
     """
     versions = library_versions()
     return {
@@ -40,6 +46,7 @@ def task_key(model_hash: str, task_config: dict, limit: int | None, engine: dict
         "torch": versions.get("torch"),
         "transformers": versions.get("transformers"),
         "engine": {k: v for k, v in engine.items() if k != "pretrained"},
+        "scoring": stable(scoring),
         "device": device,
     }
 

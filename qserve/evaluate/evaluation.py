@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -152,7 +153,8 @@ def reusable_eval(checkpoint: str | Path, options: EvalOptions | None = None) ->
 
 
 def _request(plan: _Plan, options: EvalOptions) -> dict[str, Any]:
-    """What an eval was asked to decide; equal requests on the same manifest decide the same thing."""
+    """What an eval was asked to decide, and how it scores; equal requests on the same manifest decide
+    the same thing."""
     return baselines.stable(
         {
             "tasks": [t.name for t in plan.tasks],
@@ -162,6 +164,7 @@ def _request(plan: _Plan, options: EvalOptions) -> dict[str, Any]:
             "gates": {n: [s.model_dump() for s in specs] for n, specs in plan.specs.items()},
             "parity": options.check_parity,
             "device": detect.fingerprint(plan.device),
+            "scoring": _scoring(plan),  # by name and source hash: another way of scoring is another measurement
         }
     )
 
@@ -215,10 +218,15 @@ def _baseline_side(plan: _Plan, window: Window, refresh: bool) -> _Baseline:
         kwargs = fallback.lm_kwargs(model.path, None, trc)
     else:
         kwargs = engine.engine_kwargs(model.path, args, plan.device)
-    device = detect.fingerprint(plan.device)
-    keys = {n: baselines.task_key(sha, cfg, window.key(), kwargs, device) for n, cfg in plan.configs.items()}
+    device, scoring = detect.fingerprint(plan.device), _scoring(plan)
+    keys = {n: baselines.task_key(sha, cfg, window.key(), kwargs, device, scoring=scoring) for n, cfg in plan.configs.items()}
     cached = {} if refresh else {n: e for n, k in keys.items() if (e := baselines.lookup(k))}
     return _Baseline(model, args, kwargs, sha, keys, cached)
+
+
+def _scoring(plan: _Plan) -> Callable[[], type] | None:
+    """What makes the lm-eval model class that scores: qserve's on vLLM; lm-eval's own HFLM when emulated."""
+    return None if plan.emulated else engine.lm_eval_vllm_class
 
 
 def _summary(plan: _Plan, base_side: _Baseline, outcome: _Outcome, options: EvalOptions) -> dict[str, Any]:
@@ -238,6 +246,7 @@ def _summary(plan: _Plan, base_side: _Baseline, outcome: _Outcome, options: Eval
         "kv_cache": outcome.extra["kv_cache"],
         "emulated": plan.emulated,  # true: scores come from transformers, not vLLM
         "engine": "transformers" if plan.emulated else "vllm",
+        "scoring": baselines.stable(_scoring(plan)),  # by name and source hash, as in the baseline cache key
         "vllm_support": asdict(plan.runnable),
         "decode": outcome.extra["decode"],
         "scheme": manifest.scheme,
