@@ -4,8 +4,8 @@ A baseline depends on the model's bytes, the task (config, data files by content
 count, the source code of any `!function` hook), the item limit, the lm-eval, vLLM, torch and
 transformers versions, the engine arguments, the source code of qserve's scoring (its lm-eval model
 class) and the device in detail (CPU model and ISA flags, or GPU name and compute capability), so
-all of them go into the key; change any one and the
-baseline runs again. Entries are per task: adding a task to a gate reuses the others.
+all of them go into the key; change any one and the baseline runs again. Entries are per task:
+adding a task to a gate reuses the others.
 """
 
 from __future__ import annotations
