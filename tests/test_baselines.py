@@ -83,41 +83,52 @@ def test_key_covers_torch_transformers_and_the_device_in_detail(isolated_cache: 
     assert here.startswith("cpu: ") and "avx2" in here.split("; ")[1].split()
 
 
-def test_key_follows_the_code_of_a_function_hook(isolated_cache: Path, monkeypatch) -> None:
+def _keys_around_an_edit(folder: Path, monkeypatch, function: str, before: str, after: str, key_of) -> tuple[dict, dict]:
+    """`key_of(fn)` for a same-named function in a module of its own, before and after its body is
+    edited and the module reloaded (each key taken while that source is on disk)."""
     import importlib
     import sys
 
+    name = f"qserve_test_{function}"
+    code = folder / f"{name}.py"
+    code.write_text(f"def {function}(*args):\n    {before}\n")
+    monkeypatch.syspath_prepend(str(folder))
+    first = key_of(getattr(importlib.import_module(name), function))
+    code.write_text(f"def {function}(*args):\n    {after}\n")
+    second = key_of(getattr(importlib.reload(sys.modules[name]), function))
+    del sys.modules[name]
+    return first, second
+
+
+def test_key_follows_the_code_of_a_function_hook(isolated_cache: Path, monkeypatch) -> None:
     data = isolated_cache / "test.jsonl"
     data.write_text("{}\n")
-    hook = isolated_cache / "qserve_test_hook.py"
-    hook.write_text("def process_docs(ds):\n    return ds\n")
-    monkeypatch.syspath_prepend(str(isolated_cache))
-    module = importlib.import_module("qserve_test_hook")
-    key = baselines.task_key("m", _config(data) | {"process_docs": module.process_docs}, None, {}, "cpu", scoring=None)
-    hook.write_text("def process_docs(ds):\n    return ds.select(range(1))\n")  # same name, other behaviour
-    module = importlib.reload(module)
-    assert baselines.task_key("m", _config(data) | {"process_docs": module.process_docs}, None, {}, "cpu", scoring=None) != key
-    del sys.modules["qserve_test_hook"]
+    key, edited = _keys_around_an_edit(
+        isolated_cache,
+        monkeypatch,
+        "process_docs",
+        "return args[0]",
+        "return args[0].select(range(1))",  # same name, other behaviour
+        lambda hook: baselines.task_key("m", _config(data) | {"process_docs": hook}, None, {}, "cpu", scoring=None),
+    )
+    assert edited != key
 
 
 def test_key_follows_the_code_of_qserve_scoring(isolated_cache: Path, monkeypatch) -> None:
     """A change to how qserve scores (the function that makes its lm-eval model class) makes every
     cached baseline miss, as an edited hook does (test_demo checks that eval passes qserve's own)."""
-    import importlib
-    import sys
-
     data = isolated_cache / "test.jsonl"
     data.write_text("{}\n")
-    code = isolated_cache / "qserve_test_scoring.py"
-    code.write_text("def lm_eval_vllm_class():\n    return 'sum of log-probabilities'\n")
-    monkeypatch.syspath_prepend(str(isolated_cache))
-    module = importlib.import_module("qserve_test_scoring")
-    key = baselines.task_key("m", _config(data), None, {}, "cpu", scoring=module.lm_eval_vllm_class)
+    key, edited = _keys_around_an_edit(
+        isolated_cache,
+        monkeypatch,
+        "lm_eval_vllm_class",
+        "return 'sum of log-probabilities'",
+        "return 'mean of log-probabilities'",  # same name, other scores
+        lambda scoring: baselines.task_key("m", _config(data), None, {}, "cpu", scoring=scoring),
+    )
     assert key != baselines.task_key("m", _config(data), None, {}, "cpu", scoring=None)
-    code.write_text("def lm_eval_vllm_class():\n    return 'mean of log-probabilities'\n")  # same name, other scores
-    module = importlib.reload(module)
-    assert baselines.task_key("m", _config(data), None, {}, "cpu", scoring=module.lm_eval_vllm_class) != key
-    del sys.modules["qserve_test_scoring"]
+    assert edited != key
 
 
 def test_model_digest_reads_content_not_size_and_mtime(isolated_cache: Path) -> None:
