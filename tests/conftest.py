@@ -201,6 +201,8 @@ def quantize_in_process(recipe: Path, out: Path) -> Path:
 # Recipes added for the scheme matrix calibrate on less data in tests (same schema, scheme and
 # code path; the shipped counts are for quality): keeps the suite's wall time in check.
 SHRUNK = {"w4a16-awq", "w4a16-fp8kv", "fp8-static", "quark-fp8-kv", "nvfp4", "w4a16-gptq", "w4a16-autoround", "fp8-kv"}
+# Not w8a8-int8-2of4: pruned on 8 x 128 tokens its engine parity measured 0.351 > 0.35 (2026-11-26): a worse
+# model, not another code path. Not the demo's recipe or the tuned one: tests check their shipped numbers.
 
 
 def recipe_for_tests(name: str, root: Path) -> Path:
@@ -210,7 +212,9 @@ def recipe_for_tests(name: str, root: Path) -> Path:
     text = path.read_text().replace("samples: 32", "samples: 8").replace("seq_len: 256", "seq_len: 128")
     if "algorithm: awq" in text:
         text += "algorithm_options: {n_grid: 3}\n"
-    text = text.replace("iters: 200", "iters: 10")  # AutoRound's tuning steps per block
+    # AutoRound's tuning steps per block: 2 still run its signed-gradient step and export (13.7 s against
+    # 27.7 s at 10, 2026-11-26); tests check the format and parity, not the rounding's quality.
+    text = text.replace("iters: 200", "iters: 2")
     shrunk = root / f"{name}.yaml"
     shrunk.write_text(text)
     return shrunk
