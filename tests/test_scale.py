@@ -220,19 +220,22 @@ def _check_rtn_weights(source: Path, ckpt: Path, layer: str, group: int) -> None
     _check_scales_from_source(w, scale, group)
 
 
+def _tensor(directory: Path, name: str):
+    """One tensor of a sharded safetensors checkpoint, found through its index."""
+    from safetensors import safe_open
+
+    index = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"]
+    with safe_open(directory / index[name], "pt") as f:
+        return f.get_tensor(name)
+
+
 def _int4_layer(source: Path, ckpt: Path, layer: str) -> tuple:
     """The source weight, the checkpoint's scales and its int4 codes (checked to be in range), as floats."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-    from safetensors import safe_open
 
-    def tensor(directory: Path, name: str):
-        index = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"]
-        with safe_open(directory / index[name], "pt") as f:
-            return f.get_tensor(name)
-
-    w = tensor(source, f"{layer}.weight").float()
-    scale = tensor(ckpt, f"{layer}.weight_scale").float()
-    codes = unpack_from_int32(tensor(ckpt, f"{layer}.weight_packed"), 4, w.shape).float()
+    w = _tensor(source, f"{layer}.weight").float()
+    scale = _tensor(ckpt, f"{layer}.weight_scale").float()
+    codes = unpack_from_int32(_tensor(ckpt, f"{layer}.weight_packed"), 4, w.shape).float()
     assert codes.min() >= -8 and codes.max() <= 7
     return w, scale, codes
 
@@ -279,8 +282,10 @@ def test_a_calibrated_model_larger_than_the_memory_limit_is_offloaded_to_disk(
     model, weights = model_over_the_offload_limit
     assert weights > OFFLOAD_LIMIT_BYTES
     recipe = tmp_path / "w4a16-gptq.yaml"
+    # down_proj is left in bf16 (a third of GPTQ's time here: 4,096 input columns a layer): it is carried
+    # through the offloaded run and saved as it was.
     recipe.write_text(
-        "name: w4a16-gptq-offload\nscheme: W4A16\nalgorithm: gptq\ngroup_size: 128\nignore: [lm_head]\n"
+        "name: w4a16-gptq-offload\nscheme: W4A16\nalgorithm: gptq\ngroup_size: 128\nignore: [lm_head, 're:.*down_proj$']\n"
         "calibration: {source: gsm8k-train, samples: 8, seq_len: 128}\n"  # execution: auto
     )
     with memory_cgroup(OFFLOAD_LIMIT_BYTES) as group:
@@ -294,12 +299,14 @@ def test_a_calibrated_model_larger_than_the_memory_limit_is_offloaded_to_disk(
     assert manifest.execution["path"] == "offload" and manifest.execution["max_memory_cpu"] == 256 << 20
     assert manifest.timings["peak_rss_mib"] * 2**20 < OFFLOAD_LIMIT_BYTES
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "w4a16-gptq.yaml"]  # offload folder removed
-    for layer in ("model.layers.0.self_attn.q_proj", "model.layers.13.mlp.down_proj"):
+    for layer in ("model.layers.0.self_attn.q_proj", "model.layers.13.mlp.up_proj"):
         w, scale, codes = _int4_layer(model, tmp_path / "out", layer)
         _check_scales_from_source(w, scale, 128)
         # GPTQ's error feedback moved codes off round-to-nearest (measured: 20 % to 21 % of them).
         rtn = (w / scale.repeat_interleave(128, dim=1)).round().clamp(-8, 7)
         assert 0.1 < (codes != rtn).float().mean().item() < 0.3, layer
+    kept = "model.layers.13.mlp.down_proj.weight"
+    assert _tensor(tmp_path / "out", kept).equal(_tensor(model, kept))  # the ignored layer, bit for bit
     _check_vllm_runs(tmp_path / "out")
 
 

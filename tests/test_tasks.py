@@ -50,3 +50,16 @@ def test_gsm8k_multiple_choice_distractors() -> None:
 def test_missing_task_data_is_one_clear_error(tmp_path: Path) -> None:
     with pytest.raises(QserveError, match=r"task arc_easy needs .*arc_easy/test.jsonl, which does not exist"):
         lm_eval_config(get_tasks(["arc_easy"])[0], tmp_path)
+
+
+def test_each_base_task_is_read_from_the_yaml_lm_evals_own_index_names() -> None:
+    """The text search for a task's YAML finds the file lm-eval's TaskManager indexes under that name."""
+    from lm_eval.tasks import TaskManager
+
+    from qserve.evaluate.tasks import _declaring_yaml, registry
+
+    index = TaskManager().task_index
+    bases = sorted({t.lm_eval_task for t in registry().values() if t.lm_eval_task})
+    assert bases == ["arc_easy", "gsm8k"]
+    assert {name: _declaring_yaml(name) for name in bases} == {name: Path(index[name].yaml_path) for name in bases}
+    assert _declaring_yaml("no_such_task") is None and "no_such_task" not in index
