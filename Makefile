@@ -13,7 +13,7 @@ RECIPE ?= recipes/w8a8-int8.yaml
 TASKS ?= gsm8k_ppl
 LIMIT ?= 100
 
-.PHONY: setup demo test test-fast matrix docs benchmarks lint
+.PHONY: setup demo test test-matrix test-fast matrix docs benchmarks lint
 
 setup:
 	@$(UV) --version >/dev/null 2>&1 || python3 -m pip install --user --quiet uv
@@ -25,7 +25,12 @@ demo: setup
 	$(UV) run --locked --extra cpu qserve run $(RECIPE) --tasks $(TASKS) --limit $(LIMIT)
 
 test: setup
-	$(UV) run --locked --extra cpu pytest -ra --durations=25
+	$(UV) run --locked --extra cpu pytest -ra --durations=25 -m "not matrix"
+
+# The per-recipe cells beyond make test's slice (tests/test_support.py: the recipes nothing else in the
+# suite quantizes); .ci/run runs it after make test.
+test-matrix: setup
+	$(UV) run --locked --extra cpu pytest -ra --durations=10 -m matrix
 
 test-fast: setup
 	$(UV) run --locked --extra cpu pytest -ra -m "not slow"

@@ -31,7 +31,8 @@ class Execution:
 def choose(recipe: Recipe, model_path: Path, nproc: int = 1, nnodes: int = 1) -> Execution:
     """The recipe's `execution`, or for `auto` the path that fits this process's memory."""
     if nproc * nnodes > 1:
-        return _distributed(recipe, nproc)
+        check_parallel(recipe, nproc * nnodes)
+        return Execution("distributed", f"--nproc {nproc}: data-parallel calibration under torchrun", nproc)
     if recipe.execution != "auto":
         return Execution(recipe.execution, "the recipe's execution")
     weights, limit = weight_bytes(model_path), memory_limit_bytes()
@@ -67,14 +68,17 @@ def return_freed_weights_to_the_system(threshold: int = 1 << 20) -> None:
         ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, threshold)
 
 
-def _distributed(recipe: Recipe, nproc: int) -> Execution:
+def check_parallel(recipe: Recipe, processes: int) -> None:
+    """What data-parallel calibration over `processes` cannot run, known from the recipe alone (so
+    refused before the model is converted or read)."""
+    if processes <= 1:
+        return
     if recipe.backend != "llmcompressor":
         raise QserveError("--nproc runs llm-compressor's data-parallel calibration; it needs backend: llmcompressor")
     if recipe.calibration is None:
         raise QserveError(f"--nproc splits the calibration data between processes, and recipe {recipe.name} is data-free")
     if recipe.execution == "model_free":
         raise QserveError("--nproc and execution: model_free do not combine (model-free runs without data)")
-    return Execution("distributed", f"--nproc {nproc}: data-parallel calibration under torchrun", nproc)
 
 
 def weight_bytes(model_path: Path) -> int:

@@ -25,6 +25,7 @@ from qserve.progress import info, step
 from qserve.quantize import architecture, backends
 from qserve.quantize.execution import (
     Execution,
+    check_parallel,
     choose,
     memory_limit_bytes,
     offload_budget,
@@ -94,10 +95,13 @@ def quantize(recipe_path: str | Path, options: QuantizeOptions | None = None) ->
     out = Path(options.output) if options.output else default_output(recipe)
     if out.exists() and not options.force:
         raise QserveError(f"output {out} already exists; pass --force to replace it or --output to choose another")
+    recipe = with_default_calibration(recipe)
+    nnodes = (options.nodes or {}).get("nnodes", 1)
+    check_parallel(recipe, options.nproc * nnodes)
     ref = resolve_model(options.model or recipe.model)
     check_output(out, ref.path)
     recipe = _checked_for_model(recipe, ref.path, options.trust_remote_code)
-    run = choose(recipe, ref.path, options.nproc, (options.nodes or {}).get("nnodes", 1))
+    run = choose(recipe, ref.path, options.nproc, nnodes)
     if run.path != "in_memory":  # the usual path stays quiet; the manifest records it either way
         info(f"execution: {run.path} ({run.reason})")
     texts, calib_record = _calibration_texts(recipe, options.data_dir, ref.path)
@@ -126,15 +130,15 @@ def quantize(recipe_path: str | Path, options: QuantizeOptions | None = None) ->
 
 
 def _checked_for_model(recipe: Recipe, model_path: Path, trust_remote_code: bool) -> Recipe:
-    """The recipe as it will run on this model (routers ignored, default calibration), refused
-    before any work where the model's shapes, experts, dtype or layer mappings cannot take it."""
+    """The recipe as it will run on this model (routers ignored), refused before any work where the
+    model's shapes, experts, dtype or layer mappings cannot take it."""
     undo_vllm_decorations()  # tune and the matrix quantize in a process where vLLM ran before
     recipe = architecture.with_routers_ignored(model_path, recipe, trust_remote_code)
     check_shapes(model_path, recipe, trust_remote_code)
     check_moe(model_path, recipe, trust_remote_code)
     architecture.check_dtype(model_path, recipe)
     architecture.check_mappings(model_path, recipe, trust_remote_code)
-    return with_default_calibration(recipe)
+    return recipe
 
 
 def _calibration_texts(
