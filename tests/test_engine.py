@@ -128,3 +128,24 @@ def test_the_screening_kl_is_the_mean_kl_divergence() -> None:
     expected = np.mean([rel_entr(b.exp().numpy(), q.exp().numpy()).sum() for bb, qq in zip(base, quant) for b, q in zip(bb, qq)])
     got = parity._mean_kl(base, quant)
     assert got["positions"] == 15 and abs(got["mean_nats"] - expected) < 1e-6
+
+
+def test_cpu_engines_inspect_a_model_class_in_this_process(monkeypatch, tmp_path: Path) -> None:
+    # vLLM inspects an architecture it has no record of in a child Python (13 s here); qserve's CPU
+    # engines run that inspection in their own process, and vLLM still writes its record.
+    import sys
+
+    from vllm.model_executor.models import registry
+
+    monkeypatch.setattr(registry, "_SUBPROCESS_COMMAND", [sys.executable, "-c", "raise SystemExit(3)"])
+    monkeypatch.setattr(registry._LazyRegisteredModel, "_get_cache_dir", staticmethod(lambda: tmp_path))
+    llama = registry.ModelRegistry.models["LlamaForCausalLM"]
+    with pytest.raises(RuntimeError, match="Error raised in subprocess"):
+        llama.inspect_model_cls()  # vLLM's own way: the child (here one that fails)
+    assert list(tmp_path.iterdir()) == []
+    device = detect.detect_device()
+    assert device.kind == "cpu"
+    with engine._model_info_in_process(device):
+        info = llama.inspect_model_cls()
+    assert info.architecture == "LlamaForCausalLM" and info.is_text_generation_model
+    assert [p.name for p in tmp_path.iterdir()] == ["vllm-model_executor-models-llama-LlamaForCausalLM.json"]
