@@ -141,11 +141,12 @@ def test_cpu_engines_inspect_a_model_class_in_this_process(monkeypatch, tmp_path
     monkeypatch.setattr(registry._LazyRegisteredModel, "_get_cache_dir", staticmethod(lambda: tmp_path))
     llama = registry.ModelRegistry.models["LlamaForCausalLM"]
     with pytest.raises(RuntimeError, match="Error raised in subprocess"):
-        llama.inspect_model_cls()  # vLLM's own way: the child (here one that fails)
+        llama.inspect_model_cls()  # vLLM's own way: a child Python (here one that fails)
+    with engine._model_info_in_process(detect.Device("cuda", "a GPU")):
+        with pytest.raises(RuntimeError, match="Error raised in subprocess"):
+            llama.inspect_model_cls()  # kept on a GPU
     assert list(tmp_path.iterdir()) == []
-    device = detect.detect_device()
-    assert device.kind == "cpu"
-    with engine._model_info_in_process(device):
+    with engine._model_info_in_process(detect.Device("cpu", "vLLM CPU build")):
         info = llama.inspect_model_cls()
     assert info.architecture == "LlamaForCausalLM" and info.is_text_generation_model
     assert [p.name for p in tmp_path.iterdir()] == ["vllm-model_executor-models-llama-LlamaForCausalLM.json"]
