@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -133,8 +134,6 @@ def test_the_screening_kl_is_the_mean_kl_divergence() -> None:
 def test_cpu_engines_inspect_a_model_class_in_this_process(monkeypatch, tmp_path: Path) -> None:
     # vLLM inspects an architecture it has no record of in a child Python (13 s here); qserve's CPU
     # engines run that inspection in their own process, and vLLM still writes its record.
-    import sys
-
     from vllm.model_executor.models import registry
 
     monkeypatch.setattr(registry, "_SUBPROCESS_COMMAND", [sys.executable, "-c", "raise SystemExit(3)"])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -145,8 +145,7 @@ def open_engine(
             _shutdown(lm)
 
 
-@contextmanager
-def _model_info_in_process(device: Device) -> Iterator[None]:
+def _model_info_in_process(device: Device) -> AbstractContextManager[Any]:
     """vLLM inspects a model class it has no record of under VLLM_CACHE_ROOT in a child Python that
     imports vLLM again, so that a GPU parent never initialises CUDA before it forks; it then records the
     result there. qserve's CPU engines load the model in this very process anyway, so the inspection
@@ -154,14 +153,12 @@ def _model_info_in_process(device: Device) -> Iterator[None]:
     VLLM_CACHE_ROOT, as on a fresh machine: the first engine start 19.5 s -> 6.2 s (W8A8 SmolLM2); each
     architecture pays it once per machine."""
     if device.kind != "cpu":
-        yield
-        return
+        return nullcontext()
     from unittest import mock
 
     from vllm.model_executor.models import registry
 
-    with mock.patch.object(registry, "_run_in_subprocess", lambda inspect: inspect()):
-        yield
+    return mock.patch.object(registry, "_run_in_subprocess", lambda inspect: inspect())
 
 
 def _shutdown(lm: Any) -> None:
