@@ -270,13 +270,21 @@ def test_cuda_engine_arguments_and_environment(tmp_path: Path, monkeypatch) -> N
     # The served engine is vLLM's API server on every device: its engine core is a process of its own.
     served = plan(tmp_path / "ck", manifest(kv_cache_dtype="fp8"), GPU, Endpoint())
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in served.env and "VLLM_ALLOW_INSECURE_SERIALIZATION" not in served.env
+    assert "VLLM_WORKER_MULTIPROC_METHOD" not in served.env  # vLLM's own choice on a GPU (spawn once CUDA is up)
     assert "--enforce-eager" not in served.command and "--kv-cache-memory-bytes" not in served.command
-    # On CPU the served engine core keeps its worker in-process, as the eval engine does.
+    # On CPU the served engine core keeps its worker in-process, as the eval engine does, and is forked.
     cpu_env = plan(tmp_path / "ck", manifest(), CPU, Endpoint()).env
-    assert {key: cpu_env[key] for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_NUM_OF_RESERVED_CPU")} == {
+    planned = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_WORKER_MULTIPROC_METHOD")
+    assert {key: cpu_env[key] for key in planned} == {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_WORKER_MULTIPROC_METHOD": "fork",
     }
+    import qserve
+
+    monkeypatch.setitem(qserve.STARTUP_ENVIRONMENT, "VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # a user's choice wins
+    assert plan(tmp_path / "ck", manifest(), CPU, Endpoint()).env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    monkeypatch.delitem(qserve.STARTUP_ENVIRONMENT, "VLLM_WORKER_MULTIPROC_METHOD")
     # ... and a `qserve serve` started in that environment (as `qserve bench --suite` starts one) passes all of it on.
     from qserve.device.passthrough import served_environment
 

