@@ -30,7 +30,7 @@ SERVABLE = {
 # FP8_DYNAMIC runs at ~5 s per prompt token and ~30 s per generated token on a CPU without AMX-FP8
 # (conftest.FP8_RECIPES): it has a test of its own below, with a 1-token completion and no chat.
 # INT8 W8A8 is the demo's checkpoint: test_serve.py checks it on the server it already runs.
-# So `make test` checks the served text of both activation kinds (INT8 here, FP8 below); the other
+# So `make test` checks the served text of both activation kinds (INT8 there, FP8 below); the other
 # servable schemes repeat that check per recipe and run as `matrix` cells (`make test-matrix`; CI runs
 # both), as test_support.py's per-recipe cells do.
 GENERIC = sorted(set(SERVABLE) - {"fp8", "w8a8-int8"})

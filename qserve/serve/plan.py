@@ -8,7 +8,7 @@ from pathlib import Path
 
 from qserve import STARTUP_ENVIRONMENT
 from qserve.checkpoint.manifest import Manifest, read_manifest, verify_files
-from qserve.device import detect, engine, flags, passthrough, support
+from qserve.device import detect, engine, flags, passthrough, support, vllm_cli
 from qserve.paths import log_file
 from qserve.serve.auth import MIDDLEWARE
 
@@ -124,7 +124,7 @@ def _options(
         # The engine core forked from the API server, not spawned: a spawned one imports vLLM again.
         # Ready 23.3 -> 15.7 s here (W8A8 SmolLM2, 2 runs a side, 2026-11-26), the same greedy text and
         # decode rate (256 tokens: 5.6-5.8 s either way). device/vllm_cli.py keeps it past vLLM-CPU's spawn.
-        env.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+        env.setdefault(vllm_cli.START_METHOD, "fork")
     if args.trust_remote_code:
         options.append(("--trust-remote-code", None))
     if endpoint.api_key:
