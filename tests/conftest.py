@@ -228,6 +228,12 @@ FP8_RECIPES = {"fp8", "llmcompressor-fp8-dynamic"}
 FP8_PARITY = {"prompts": 1, "max_tokens": 4}
 
 
+def matrix_cells(names: list[str], in_make_test: set[str] | frozenset[str] = frozenset()) -> list:
+    """`names` as test parameters; those outside `in_make_test` are marked `matrix` (`make test-matrix`,
+    which CI runs after `make test`)."""
+    return [pytest.param(n, marks=() if n in in_make_test else pytest.mark.matrix) for n in names]
+
+
 def make_keys(directory: Path, name: str) -> tuple[Path, Path]:
     """A fresh P-256 key pair (PEM private, PEM public) for signing tests; never committed."""
     from cryptography.hazmat.primitives import serialization

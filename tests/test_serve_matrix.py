@@ -10,7 +10,7 @@ same prompt and the same chat: same kernels, same dtype, one request at a time, 
 from __future__ import annotations
 
 import pytest
-from conftest import FP8_PARITY, PROMPT, Server, assert_served_text_equals_the_eval_engines
+from conftest import FP8_PARITY, PROMPT, Server, assert_served_text_equals_the_eval_engines, matrix_cells
 
 from qserve.checkpoint.manifest import read_manifest
 from qserve.checkpoint.schemes import SCHEMES
@@ -52,7 +52,7 @@ def test_serve_column_is_exactly_what_this_module_proves() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.matrix) for n in GENERIC])
+@pytest.mark.parametrize("name", matrix_cells(GENERIC))
 def test_served_text_equals_the_eval_engines(checkpoints, name: str) -> None:
     server = start_server(checkpoints, name)
     try:

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FP8_PARITY, FP8_RECIPES, REPO, quantize_in_process, run_qserve, run_qserve_in_process
+from conftest import FP8_PARITY, FP8_RECIPES, REPO, matrix_cells, quantize_in_process, run_qserve, run_qserve_in_process
 
 from qserve.checkpoint.manifest import MANIFEST_NAME, read_manifest, sha256_file
 from qserve.checkpoint.schemes import SCHEMES
@@ -69,11 +69,6 @@ SLICE = {"fp8", "w8a8-int8", "smollm2-tuned", "w4a16-gptq", "w4a16-fp8kv", "quar
 SLICE |= {"fp8-static", "quark-mxfp4"}
 
 
-def cells(names: list[str]) -> list:
-    """`names` as test parameters, those outside the slice marked `matrix`."""
-    return [pytest.param(n, marks=() if n in SLICE else pytest.mark.matrix) for n in names]
-
-
 # Recipes for mixtures of experts only: quantized and served on the tiny MoE models (test_architectures).
 MOE_ONLY = {"moe-w8a8-experts-bf16"}
 
@@ -101,7 +96,7 @@ def mxfp4a16(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", cells(sorted(EXPECTED)))
+@pytest.mark.parametrize("name", matrix_cells(sorted(EXPECTED), SLICE))
 def test_shipped_recipe_quantizes_embedded_model(checkpoints, name: str) -> None:
     ckpt = checkpoints[name]
     manifest = read_manifest(ckpt)
@@ -162,7 +157,7 @@ def _parity_and_kv(ckpt: Path) -> tuple[dict, dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", cells(RUNNABLE_NEW))
+@pytest.mark.parametrize("name", matrix_cells(RUNNABLE_NEW, SLICE))
 def test_runnable_checkpoint_matches_transformers(checkpoints, name: str) -> None:
     result, kv = _parity_and_kv(checkpoints[name])
     assert result["status"] == "pass", result
@@ -170,7 +165,7 @@ def test_runnable_checkpoint_matches_transformers(checkpoints, name: str) -> Non
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", cells(NOT_RUNNABLE))
+@pytest.mark.parametrize("name", matrix_cells(NOT_RUNNABLE, SLICE))
 def test_unrunnable_checkpoint_is_evaluated_emulated_and_refused_by_serve(checkpoints, name: str) -> None:
     ckpt = checkpoints[name]
     # 3 documents under a wide allowance: finite bounds, and too few items for a pass (exit 4).
