@@ -214,7 +214,7 @@ def eval_vs_lm_eval(ckpt: Path, work: Path, data_dir: Path) -> dict[str, Any]:
         "limit": EVAL_LIMIT,
         "engines": [
             engine.engine_kwargs(ckpt, manifest.vllm_args, device),
-            engine.engine_kwargs(baseline_model(manifest).path, engine.baseline_args(device), device),
+            engine.engine_kwargs(baseline_model(manifest).path, engine.baseline_args(), device),
         ],
     }
     spec_file = work / "raw_lm_eval.json"
@@ -259,8 +259,8 @@ def decode_vs_baseline(ckpts: dict[str, Path]) -> dict[str, Any]:
     first = read_manifest(next(iter(ckpts.values())))
     base = baseline_model(first)
     out: dict[str, Any] = {}
-    with engine.open_engine(base.path, engine.baseline_args(device), device, "the baseline (decode speed)") as lm:
-        out["baseline"] = throughput.decode_throughput(lm)
+    with engine.open_engine(base.path, engine.baseline_args(), device, "the baseline (decode speed)") as lm:
+        out["baseline"] = throughput.decode_throughput(lm) | {"dtype": engine.resolved_dtype(lm)}
     for name, ckpt in ckpts.items():
         manifest = read_manifest(ckpt)
         if _fp8_fallback(manifest.scheme, device):
@@ -350,7 +350,9 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(f"| {key} | {ours} | {theirs} | {goal['value']} | {goal['goal']} | {'yes' if goal['met'] else 'NO'} |")
     lines += [
         "",
-        f"Decode in vLLM (16 prompts x 128 tokens, offline): baseline float32 {dec['baseline']['tokens_per_second']} tok/s",
+        # records before the baseline became vLLM's dtype auto (2026-11-26) name no dtype: they ran float32
+        f"Decode in vLLM (16 prompts x 128 tokens, offline): baseline {dec['baseline'].get('dtype', 'float32')} "
+        f"{dec['baseline']['tokens_per_second']} tok/s",
     ]
     lines += [f"- {k.removesuffix('_decode_ratio')}: {dec[k]}x the baseline" for k in dec if k.endswith("_decode_ratio")]
     lines += [f"- {k}: {v['skipped']}" for k, v in dec.items() if isinstance(v, dict) and "skipped" in v]

@@ -40,7 +40,7 @@ measures and reports against the goals.
   second measured 2-5 % faster here); the ratio of the medians.
 - **Eval throughput**: the matmul rate is the faster of torch's kernels and vLLM-CPU's oneDNN kernels
   on square products (torch's float32 goes through MKL, at less than half of oneDNN's rate here).
-- **Decode**: tokens/s of each scheme in vLLM against the float32 baseline, offline.
+- **Decode**: tokens/s of each scheme in vLLM against the baseline (in the dtype named), offline.
 """
 
 

@@ -90,13 +90,13 @@ def _baseline_row(any_ckpt: Path) -> dict[str, Any]:
     manifest = read_manifest(any_ckpt)
     ref = baseline_model(manifest)
     device = detect.detect_device()
-    args = engine.baseline_args(device, manifest.vllm_args.trust_remote_code)
+    args = engine.baseline_args(manifest.vllm_args.trust_remote_code)
     with engine.open_engine(ref.path, args, device, f"the baseline {manifest.source_model['id']} (decode speed)") as lm:
-        decode = throughput.decode_throughput(lm)
+        decode, dtype = throughput.decode_throughput(lm), engine.resolved_dtype(lm)
     facts = inspect_checkpoint(any_ckpt)
     return {
         "model": ref.id,
-        "dtype": args.dtype,
+        "dtype": dtype,
         "bf16_size_bytes": facts["bf16_size_bytes"],
         "decode_tokens_per_second": decode["tokens_per_second"],
     }

@@ -52,7 +52,7 @@ def test_eval_writes_results_and_passes(passed_eval) -> None:
         "dtype": "bfloat16",
         "trust_remote_code": False,
     }
-    assert summary["engine_args"]["baseline"]["dtype"] == "float32"
+    assert summary["engine_args"]["baseline"]["dtype"] == "auto"  # as vLLM serves the source model (bfloat16: test_demo)
     # Both sides scored by qserve's lm-eval class, named with the hash of its source (as the baseline key is).
     name, source_sha = summary["scoring"].split(":")
     assert name == "qserve.device.engine.lm_eval_vllm_class" and len(source_sha) == 16

@@ -211,7 +211,7 @@ def _baseline_side(plan: _Plan, window: Window, refresh: bool) -> _Baseline:
     """The baseline's model, engine arguments and cache keys; cached scores unless `refresh`."""
     model = baseline_model(plan.manifest)
     trc = plan.manifest.vllm_args.trust_remote_code
-    args = engine.baseline_args(plan.device, trc)
+    args = engine.baseline_args(trc)
     with step("hashing the baseline model for the baseline cache"):
         sha = model_digest(model.path)
     if plan.emulated:
