@@ -9,6 +9,7 @@ alone. Every figure on the page comes from a record, with its command, date, com
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -44,18 +45,24 @@ measures and reports against the goals.
 """
 
 
-def machine_key(machine: dict[str, Any]) -> str:
-    """A file name for the machine: CPU model, cores, and AMX when present (it changes the kernels)."""
+def machine_key(result: dict[str, Any]) -> str:
+    """A file name for the machine: CPU model, cores, AMX when present (it changes the kernels), and its
+    speed class, the bfloat16 matmul rate it measured rounded to a power of two in GFLOP/s. One CPUID
+    comes on hosts whose vector units differ 2.4x (docs/install.md, "One machine type, two speeds");
+    each keeps its own record, while a host's run-to-run spread (under 10 %) keeps one."""
+    machine = result["machine"]
     amx = "-amx" if any(f.startswith("amx") for f in machine.get("isa", [])) else ""
     slug = re.sub(r"[^a-z0-9]+", "-", re.sub(r"\(r\)|\(tm\)", "", machine["cpu"].lower())).strip("-")
-    return f"{slug}-{machine['cpus']}-cores{amx}"
+    bf16 = result.get("eval_throughput", {}).get("dtypes", {}).get("bfloat16", {}).get("matmul_gflops")
+    speed = f"-bf16-{2 ** round(math.log2(bf16))}gflops" if bf16 else ""
+    return f"{slug}-{machine['cpus']}-cores{amx}{speed}"
 
 
 def record(result: dict[str, Any], docs: Path) -> Path:
     """Keep `result` as this machine's latest record under docs/benchmarks/, and rewrite the page."""
     folder = docs / RESULTS
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{machine_key(result['machine'])}.json"
+    path = folder / f"{machine_key(result)}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     (docs / PAGE).write_text(page(docs))
     return path

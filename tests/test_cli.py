@@ -104,6 +104,25 @@ def test_the_benchmarks_page_is_made_from_the_recorded_results() -> None:
         assert f"Produced by `qserve bench --suite` on {m['time'][:10]}, commit {m['commit']}, {m['cpu']}" in text
 
 
+def test_a_machine_type_on_hosts_of_two_speeds_keeps_two_records() -> None:
+    """The record's file is named by the machine and its measured bfloat16 matmul rate as a power of two:
+    the two hosts of one AMD EPYC CPUID (1,086 and 460 GFLOP/s measured) keep separate records, a host's
+    own run-to-run spread keeps one, and every recorded file is named by its own content."""
+    from qserve.benchmarks_page import RESULTS, machine_key
+
+    machine = {"cpu": "AMD EPYC", "cpus": 2, "isa": ["avx512_bf16"]}
+
+    def key(gflops: float | None) -> str:
+        speed = {"eval_throughput": {"dtypes": {"bfloat16": {"matmul_gflops": gflops}}}} if gflops else {}
+        return machine_key({"machine": machine} | speed)
+
+    assert (key(1085.5), key(460.0)) == ("amd-epyc-2-cores-bf16-1024gflops", "amd-epyc-2-cores-bf16-512gflops")
+    assert key(1085.5 * 0.85) == key(1085.5 * 1.15) and key(460 * 0.85) == key(460 * 1.15)
+    assert key(None) == "amd-epyc-2-cores"  # a record without the throughput benchmark
+    for path in sorted((REPO / "docs" / RESULTS).glob("*.json")):
+        assert path.stem == machine_key(json.loads(path.read_text()))
+
+
 def test_troubleshooting_is_keyed_by_error_lines_qserve_prints() -> None:
     """Each heading of docs/troubleshooting.md is the start of an error line in qserve's source
     (`...` stands for what the message fills in)."""

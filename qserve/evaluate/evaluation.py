@@ -133,7 +133,7 @@ def _look(manifest: Manifest, purpose: str) -> dict[str, Any]:
     number = len(earlier) + 1
     if earlier:
         info(
-            f"look {number} at these weights ({len(earlier)} earlier gate runs): bounds at one-sided {1 - looks.level(number):.2%}"
+            f"note: look {number} at these weights ({len(earlier)} earlier gate runs): bounds at one-sided {1 - looks.level(number):.2%}"
         )
     return {"number": number, "level": looks.level(number), "earlier": earlier, "counted": True}
 

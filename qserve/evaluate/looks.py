@@ -28,8 +28,13 @@ def weights_key(manifest: Manifest) -> str:
     return hashlib.sha256(json.dumps(sorted(manifest.files.items())).encode()).hexdigest()
 
 
+def ledgers() -> Path:
+    """The folder of every weights' ledger in qserve's cache."""
+    return paths.cache_dir() / "looks"
+
+
 def ledger(manifest: Manifest) -> Path:
-    return paths.cache_dir() / "looks" / f"{weights_key(manifest)}.jsonl"
+    return ledgers() / f"{weights_key(manifest)}.jsonl"
 
 
 def earlier(manifest: Manifest) -> list[dict[str, Any]]:
