@@ -26,8 +26,7 @@ MAX_MODEL_LEN = 2048
 def baseline_args(trust_remote_code: bool = False) -> VllmArgs:
     """The baseline is the source model as vLLM serves it by default, on every device: dtype auto, the
     checkpoint's own dtype with float32 downcast to bfloat16 (vLLM's rule). That is the unquantized model
-    a user would ship instead, and the reference quantized models' published recoveries are measured
-    against; the gate then charges the checkpoint with what quantization changes, not with bfloat16
+    a user would ship instead, and the rule GPUs had already; the gate then charges the checkpoint with what quantization changes, not with bfloat16
     arithmetic, which both sides share. Until 2026-11-26 the CPU baseline ran float32: on the demo
     (W8A8 SmolLM2, 100 gsm8k_ppl documents, the slower 2-core AMD EPYC) its eval took 31.5 s against
     18.9 s in bfloat16, its perplexity 35.62 against 35.70, and the checkpoint's degradation +1.28 %
