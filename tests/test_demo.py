@@ -103,7 +103,7 @@ def test_a_changed_recipe_or_gate_is_not_reused(demo_run: DemoRun, tmp_path: Pat
 @pytest.mark.slow
 def test_reproduce_is_bit_exact_and_names_what_differs(tiny_model: Path, tmp_path: Path) -> None:
     """A GPTQ checkpoint of a tiny model calibrated on 100 GSM8K lines: re-run on the same lines, every file
-    is bit-exact; re-run on 100 other lines, the weights differ. (On the embedded model, the demo recipe
+    is bit-exact; re-run on 100 other lines, the weights differ. (On the embedded model, the tuned recipe
     re-run through raw llm-compressor makes the same weights file byte for byte: test_quantize.py.)"""
     for name, lines in (("a", slice(0, 100)), ("b", slice(100, 200))):
         (tmp_path / name / "gsm8k").mkdir(parents=True)

@@ -448,26 +448,47 @@ model.save_pretrained(out, save_compressed=True)
 def test_raw_llm_compressor_rerun_of_the_checkpoints_recipe_gives_the_same_weights(
     checkpoints, embedded_model_dir: Path, tmp_path: Path
 ) -> None:
-    """The demo's W8A8 checkpoint (SmoothQuant mappings and an enum: both tags llm-compressor writes)."""
+    """The shipped tuned checkpoint: the demo's W8A8 recipe (SmoothQuant mappings and an enum, both tags
+    llm-compressor writes) with 8 MLP blocks overridden to W4A16, so two config groups and both GPTQ
+    schemes (test_tune shows this recipe re-makes the tune winner). qserve's GPTQ quantizes same-shape
+    layers in batches; llm-compressor's default on a CPU, one at a time, must write the same bytes."""
     import yaml
 
     from qserve.paths import data_dir
     from qserve.quantize.calibration import load_texts
     from qserve.quantize.pipeline import with_default_calibration
 
-    ckpt = checkpoints["w8a8-int8"]
+    ckpt = checkpoints["smollm2-tuned"]
     recipe_file = ckpt / "recipe.yaml"
-    assert (
-        "!!python" not in recipe_file.read_text()
-        and "SmoothQuantModifier" in yaml.safe_load(recipe_file.read_text())["default_stage"]["default_modifiers"]
-    )
-    recipe = with_default_calibration(load_recipe(checkpoints.recipe("w8a8-int8"))[0])
+    written = yaml.safe_load(recipe_file.read_text())
+    modifiers = written["default_stage"]["default_modifiers"]
+    assert "!!python" not in recipe_file.read_text() and "SmoothQuantModifier" in modifiers
+    assert len(modifiers["GPTQModifier"]["config_groups"]) == 2
+    assert modifiers["GPTQModifier"]["batched_quantization"] == 3  # backends.llmcompressor.gptq_batch_size
+    del modifiers["GPTQModifier"]["batched_quantization"]
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(written, sort_keys=False))  # the modifiers run in order
+    recipe = with_default_calibration(load_recipe(checkpoints.recipe("smollm2-tuned"))[0])
     texts, record = load_texts(recipe.calibration, data_dir(), embedded_model_dir)
     assert record["content_sha256"] == read_manifest(ckpt).calibration["content_sha256"]  # the data qserve used
     (tmp_path / "texts.json").write_text(json.dumps(texts))
-    args = [embedded_model_dir, tmp_path / "texts.json", recipe.seq_len, recipe_file, tmp_path / "raw"]
+    args = [embedded_model_dir, tmp_path / "texts.json", recipe.seq_len, tmp_path / "recipe.yaml", tmp_path / "raw"]
     proc = subprocess.run(
         [*QSERVE[:1], "-c", RAW_ONESHOT_FROM_FILE, *map(str, args)], capture_output=True, text=True, timeout=1800
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sha256_file(tmp_path / "raw" / "model.safetensors") == read_manifest(ckpt).files["model.safetensors"]
+
+
+def test_gptq_batches_only_repeated_shapes_within_a_quarter_of_the_weights() -> None:
+    import torch
+
+    from qserve.quantize.backends.llmcompressor import gptq_batch_size
+
+    torch.manual_seed(0)
+    pair = [torch.nn.Linear(64, 32, bias=False) for _ in range(2)]
+    head = torch.nn.Linear(64, 4096, bias=False)  # a one-off shape: never batched, so not counted
+    model = torch.nn.ModuleList([*pair, head])
+    # float32 working set of a 32x64 layer: 4 * (3*32*64 + 3*64*64) = 73,728 bytes; the weights' quarter:
+    # 4 * (2*32*64 + 4096*64) / 4 = 266,240 bytes: three such layers fit.
+    assert gptq_batch_size(model) == 3
+    assert gptq_batch_size(torch.nn.ModuleList([head])) == 1
