@@ -459,10 +459,10 @@ def test_raw_llm_compressor_rerun_of_the_checkpoints_recipe_gives_the_same_weigh
     from qserve.quantize.pipeline import with_default_calibration
 
     ckpt = checkpoints["smollm2-tuned"]
-    recipe_file = ckpt / "recipe.yaml"
-    written = yaml.safe_load(recipe_file.read_text())
+    text = (ckpt / "recipe.yaml").read_text()
+    written = yaml.safe_load(text)
     modifiers = written["default_stage"]["default_modifiers"]
-    assert "!!python" not in recipe_file.read_text() and "SmoothQuantModifier" in modifiers
+    assert "!!python" not in text and "SmoothQuantModifier" in modifiers
     assert len(modifiers["GPTQModifier"]["config_groups"]) == 2
     assert modifiers["GPTQModifier"]["batched_quantization"] == 3  # backends.llmcompressor.gptq_batch_size
     del modifiers["GPTQModifier"]["batched_quantization"]

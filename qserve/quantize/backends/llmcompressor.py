@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ def build_modifiers(recipe: Recipe, model: Any = None, batch_gptq: bool = False)
         # Static per-tensor FP8 k/v scales, observed on the calibration data: vLLM's k_scale/v_scale.
         quant["kv_cache_scheme"] = QuantizationArgs(num_bits=8, type="float", strategy="tensor", dynamic=False, symmetric=True)
     options = dict(recipe.algorithm_options)
-    if batch_gptq and recipe.algorithm == "gptq" and model is not None:
+    if batch_gptq and recipe.algorithm == "gptq":
         options.setdefault("batched_quantization", gptq_batch_size(model))
     modifiers: list[Any] = []
     try:
@@ -102,8 +103,6 @@ def gptq_batch_size(model: Any) -> int:
     every run); it shortens GPTQ's per-column loop for W4A16 (shrunk w4a16-gptq: 21.8 -> 14.6 s of
     GPTQ, 33.3 -> 25.0 s in all) and leaves W8A8's unchanged (20.4 against 21.0 s). The size is a
     function of the model alone, so the recipe.yaml it is recorded in is the same on every run."""
-    from collections import Counter
-
     import torch
 
     shapes = Counter(tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear))
