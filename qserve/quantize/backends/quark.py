@@ -13,7 +13,7 @@ from typing import Any
 from qserve.checkpoint.backends import BACKENDS
 from qserve.checkpoint.schemes import SCHEMES, scheme_of_quark_checkpoint
 from qserve.errors import QserveError
-from qserve.heap import frozen_heap
+from qserve.heap import collection_paused, frozen_heap
 from qserve.quantize.recipe import Recipe
 
 
@@ -46,9 +46,10 @@ def quantize(
 ) -> tuple[str, None]:
     """Quantize with Quark in float32 and export safetensors to out_dir; returns the scheme (and no
     expert counts: qserve calibrates mixtures of experts through llm-compressor only)."""
-    import torch
-    from quark.torch import ModelQuantizer, export_safetensors
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    with collection_paused():
+        import torch
+        from quark.torch import ModelQuantizer, export_safetensors
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
     config = build_config(recipe, template_name(model_path, trust_remote_code))
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
