@@ -48,7 +48,7 @@ def test_compare_shares_one_cached_baseline_and_writes_table_plot_json(checkpoin
         assert r["gates"][0]["task"] == "gsm8k_ppl" and r["gates"][0]["recovery"] > 0.5
         assert r["decode_tokens_per_second"] > 0 and 0 < r["size_vs_bf16"] < 1
     assert result["baseline"]["decode_tokens_per_second"] > 0
-    # The baseline is the source model as vLLM serves it by default: its float32 weights downcast to bfloat16,
+    # The baseline is the source model as vLLM serves it by default (dtype auto: its own bfloat16),
     # for the gate's engine (a cache miss: a fresh cache) and for the decode row.
     assert result["baseline"]["dtype"] == "bfloat16"
     assert "note: vLLM runs the baseline HuggingFaceTB/SmolLM2-135M-Instruct in bfloat16 (dtype auto)" in proc.stderr.splitlines()

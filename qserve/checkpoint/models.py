@@ -87,9 +87,14 @@ def embedded_gguf() -> Path:
 
 
 def embedded_model_dir() -> Path:
-    """The embedded model as an HF safetensors checkpoint, converted once and cached."""
+    """The embedded model as an HF safetensors checkpoint in bfloat16, converted once and cached.
+
+    bfloat16 is the published model's dtype and the one vLLM evaluates and serves it in (`dtype auto`
+    downcasts float32), so the gate's baseline is the same as from float32, to the bit; calibration
+    then sees the model that is evaluated, at bfloat16's matmul rate (docs/gates.md has the figures).
+    """
     gguf = embedded_gguf()
-    target = cache_dir() / "models" / f"smollm2-135m-instruct-{_file_digest(gguf)[:12]}"
+    target = cache_dir() / "models" / f"smollm2-135m-instruct-bf16-{_file_digest(gguf)[:12]}"
     if (target / "config.json").is_file():
         return target
     with step(f"converting the embedded {EMBEDDED_ID} (GGUF, one-off) into {target}"):
@@ -106,8 +111,8 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     with _gguf_parsed_once():
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # The weights are dequantized to float32 on load; drop the GGUF marker so the
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+    # The weights are dequantized on load (then rounded to bfloat16); drop the GGUF marker so the
     # result saves as a plain checkpoint.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):

@@ -95,7 +95,8 @@ def _quantizing_modifier(algorithm: str) -> type:
 
 def gptq_batch_size(model: Any) -> int:
     """How many same-shape layers (q and o, k and v, gate and up; a MoE layer's experts) GPTQ
-    quantizes at once: as many as fit, together, in a quarter of the model's own weight bytes.
+    quantizes at once: as many as fit, together, in a quarter of the model's weights held in float32,
+    GPTQ's precision (so a bfloat16 model gets the batches its float32 copy would).
 
     llm-compressor's default ("auto") sizes batches from free CUDA memory and quantizes one layer at
     a time on a CPU. Batching does not change a bit (the same weights file, W4A16 and W8A8 on the
@@ -112,8 +113,8 @@ def gptq_batch_size(model: Any) -> int:
     # A layer's float32 working set: its weight three times (module, stacked copy, error) and its
     # Hessian three times (stacked, and both gathers of activation ordering).
     each = max(4 * (3 * out * inp + 3 * inp * inp) for out, inp in repeated)
-    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return max(1, model_bytes // 4 // each)
+    float32_bytes = 4 * sum(p.numel() for p in model.parameters())
+    return max(1, float32_bytes // 4 // each)
 
 
 def _sparsegpt(recipe: Recipe, model: Any) -> Any:
