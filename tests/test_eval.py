@@ -149,8 +149,8 @@ def test_inspect_reports_size_args_and_gate(passed_eval) -> None:
     assert info["scheme"] == "W8A8" and info["integrity"] == "ok"
     assert info["gate"]["status"] == "pass" and info["gate"]["decided_at"] == summary["decided_at"]
     assert info["vllm_args"]["quantization"] == "compressed-tensors"
-    # 106.2 M Linear weights at one byte (plus per-channel scales), the 28.4 M embedding and norms in
-    # bfloat16 like the source: (106.2 + 2 * 28.4) / (2 * 134.5) = 0.606 of the bfloat16 source.
+    # 106.2 M Linear weights at one byte (plus per-channel scales), the 28.3 M embedding and norms in
+    # bfloat16 like the source: (106.2 + 2 * 28.3) / (2 * 134.5) = 0.605 of the bfloat16 source.
     assert 0.60 < info["size_vs_bf16"] < 0.62 and 0.60 < info["size_vs_baseline"] < 0.62
     text = run_qserve("inspect", ckpt).stdout
     assert "gate:         pass (decided" in text and "size_vs" not in text

@@ -20,9 +20,9 @@ from qserve.quantize.recipe import load_recipe, parse_recipe
 
 RECIPES = ["w4a16-gptq", "fp8", "w8a8-int8"]
 # recipe -> weight bits, group size, vLLM dtype, calibrated, largest size as a fraction of the bfloat16
-# source (269.0 MB): its 106.2 M Linear weights at 4 or 8 bits plus their scales (3.3 MB for 2-byte
-# scales per group of 64, 0.6 MB per channel), and the 28.4 M embedding and norms in bfloat16 (56.7 MB):
-# W4A16 0.420, 8-bit 0.608.
+# source (269.0 MB): its 106.2 M Linear weights at 4 or 8 bits plus their 2-byte scales (3.3 MB for one
+# per group of 64, 0.3 MB for one per channel), and the 28.3 M embedding and norms in bfloat16 (56.7 MB):
+# W4A16 0.420, 8-bit 0.607.
 SHAPE = {
     "w4a16-gptq": (4, 64, "float16", True, 0.43),
     "fp8": (8, None, "bfloat16", False, 0.62),
