@@ -113,8 +113,8 @@ def gptq_batch_size(model: Any) -> int:
     # A layer's float32 working set: its weight three times (module, stacked copy, error) and its
     # Hessian three times (stacked, and both gathers of activation ordering).
     each = max(4 * (3 * out * inp + 3 * inp * inp) for out, inp in repeated)
-    float32_bytes = 4 * sum(p.numel() for p in model.parameters())
-    return max(1, float32_bytes // 4 // each)
+    budget = sum(p.numel() for p in model.parameters())  # a quarter of 4 bytes a weight: 1 byte each
+    return max(1, budget // each)
 
 
 def _sparsegpt(recipe: Recipe, model: Any) -> Any:
