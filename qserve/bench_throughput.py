@@ -2,7 +2,9 @@
 per dtype, the arithmetic bound for that dtype, and raw lm-eval on the same engine settings.
 
 Prefill is lm-eval's rolling log-likelihood over the demo's documents (gsm8k_ppl: every token is
-a prompt token); decode is vLLM's offline generation of 16 x 128 tokens. The bound is the model's
+a prompt token), and beside it vLLM alone scoring the same tokens in one `generate` call with
+qserve's scoring parameters and engine settings, no lm-eval around it: what vLLM itself reaches on
+these tokens, which the goal's share is to be read against. Decode is vLLM's offline generation of 16 x 128 tokens. The bound is the model's
 FLOPs per token (device/peak.py), each part at this CPU's measured matmul rate for the dtype it
 runs in: float32 or bfloat16 for the unquantized model; for W8A8 its layers in int8 (activations
 are quantized to int8 per token), its LM head and attention in bfloat16. Nothing asserts: it
@@ -33,7 +35,7 @@ def eval_throughput(w8a8_ckpt: Path, data_dir: Path, limit: int = LIMIT) -> dict
     manifest, device = read_manifest(w8a8_ckpt), detect.detect_device()
     base = baseline_model(manifest).path
     config = lm_eval_config(get_tasks([TASK])[0], data_dir)
-    tokens = prompt_tokens(base, data_dir, limit)
+    tokens = prompt_tokens(base, config, limit)
     flops = peak.flops_per_token(base, context=tokens["mean_context"])
     with step("eval throughput: matmul peaks (float32, bfloat16, int8; torch's and vLLM's kernels)"):
         kernels = {d: peak.matmul_gflops(d) for d in ("float32", "bfloat16", "int8")}
@@ -57,6 +59,8 @@ def eval_throughput(w8a8_ckpt: Path, data_dir: Path, limit: int = LIMIT) -> dict
             "prefill_share_of_bound": round(row["prefill_tokens_per_second"] / bound, 3),
             "decode_share_of_bound": round(row["decode"]["tokens_per_second"] / bound, 3),
             "qserve_vs_raw_lm_eval": round(row["prefill_seconds"] / row["raw_prefill_seconds"], 3),
+            "vllm_alone_share_of_bound": round(row["vllm_alone_prefill_tokens_per_second"] / bound, 3),
+            "qserve_vs_vllm_alone": round(row["prefill_seconds"] / row["vllm_alone_prefill_seconds"], 3),
         }
     return {"task": TASK, "limit": limit, "prompt_tokens": tokens, "flops_per_token": flops, "dtypes": rows}
 
@@ -70,21 +74,29 @@ def _warm_up(path: Path, args: VllmArgs, device: detect.Device, config: dict) ->
         lm_eval.simple_evaluate(model=lm, tasks=[config], limit=2, bootstrap_iters=0)
 
 
-def prompt_tokens(model_dir: Path, data_dir: Path, limit: int) -> dict[str, float]:
+def prompt_tokens(model_dir: Path, config: dict, limit: int) -> dict[str, float]:
     """The tokens lm-eval scores on the first `limit` gsm8k_ppl documents (the task's own text: its
     doc_to_target, plus the one token lm-eval's rolling windows start from)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    lines = (data_dir / "gsm8k" / "test.jsonl").read_text().splitlines()[:limit]
-    docs = [json.loads(line) for line in lines]
-    counts = [len(tokenizer(f"Question: {d['question']}\nAnswer: {d['answer']}").input_ids) + 1 for d in docs]
+    counts = [len(tokenizer(text).input_ids) + 1 for text in _documents(config, limit)]
     return {"total": sum(counts), "documents": len(counts), "mean_context": sum(counts) / len(counts) / 2}
 
 
+def _documents(config: dict, limit: int) -> list[str]:
+    """The first `limit` documents of the task's test split as it scores them (its doc_to_target,
+    rendered by lm-eval's own template function)."""
+    from lm_eval.utils import apply_template
+
+    lines = Path(config["dataset_kwargs"]["data_files"][config["test_split"]]).read_text().splitlines()[:limit]
+    return [apply_template(config["doc_to_target"], json.loads(line)) for line in lines]
+
+
 def _measure(path: Path, args: VllmArgs, device: detect.Device, config: dict, limit: int, tokens: int) -> dict[str, Any]:
-    """Prefill through qserve's lm-eval run and through raw lm-eval's VLLM model with the same
-    keyword arguments (each timed around the evaluation alone, engine start excluded), then decode."""
+    """Prefill through qserve's lm-eval run, through raw lm-eval's VLLM model with the same keyword
+    arguments and through vLLM alone (each on its own engine, timed around the scoring alone, engine
+    start excluded), then decode."""
     import lm_eval
 
     from qserve.evaluate.lm_eval_run import Subject, Window, run_lm_eval
@@ -96,6 +108,7 @@ def _measure(path: Path, args: VllmArgs, device: detect.Device, config: dict, li
         start = time.perf_counter()
         lm_eval.simple_evaluate(model=lm, tasks=[config], limit=limit, log_samples=True, bootstrap_iters=1000)
         raw = time.perf_counter() - start
+    alone = _vllm_alone(path, args, device, label, _documents(config, limit))
     return {
         "dtype": args.dtype,
         "quantization": args.quantization,
@@ -103,8 +116,21 @@ def _measure(path: Path, args: VllmArgs, device: detect.Device, config: dict, li
         "prefill_tokens_per_second": round(tokens / run.seconds, 1),
         "raw_prefill_seconds": round(raw, 2),
         "raw_prefill_tokens_per_second": round(tokens / raw, 1),
+        "vllm_alone_prefill_seconds": round(alone, 2),
+        "vllm_alone_prefill_tokens_per_second": round(tokens / alone, 1),
         "decode": run.extra,
     }
+
+
+def _vllm_alone(path: Path, args: VllmArgs, device: detect.Device, label: str, documents: list[str]) -> float:
+    """Seconds vLLM takes to score the documents' tokens (each after lm-eval's prefix token, as its
+    rolling windows give them) in one `generate` call with qserve's scoring parameters: qserve's lm-eval
+    model class's own `_model_generate`, without lm-eval's requests, windows and sorting around it."""
+    with engine.open_engine(path, args, device, f"vLLM alone, {label}") as lm:
+        requests = [[lm.prefix_token_id, *lm.tok_encode(text)] for text in documents]
+        start = time.perf_counter()
+        lm._model_generate(requests)
+        return time.perf_counter() - start
 
 
 def markdown(result: dict[str, Any]) -> list[str]:
@@ -118,23 +144,29 @@ def markdown(result: dict[str, Any]) -> list[str]:
         )
     else:  # recorded before the FLOPs were split by part
         total, how = flops, "bound = measured matmul rate / FLOPs per token"
-    lines = [
+    return [
         f"Eval throughput ({result['task']}, {result['limit']} documents, {result['prompt_tokens']['total']} prompt tokens; "
         f"{total / 1e9:.3f} GFLOP per token): {how}; goal: prefill at least {GOAL_SHARE:.0%} of the bound, "
-        "qserve no slower than raw lm-eval (time ratio <= 1.0).",
+        "qserve no slower than raw lm-eval (time ratio <= 1.0). vLLM alone: the same tokens scored in one "
+        "`generate` call with qserve's scoring parameters and engine settings, no lm-eval around it.",
         "",
         "| dtype | matmul GFLOP/s | bound tok/s | qserve prefill tok/s | share | raw lm-eval prefill tok/s | "
-        "qserve / raw time | decode tok/s | decode share |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "qserve / raw time | vLLM alone prefill tok/s (share) | decode tok/s | decode share |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        *(_markdown_row(dtype, r) for dtype, r in result["dtypes"].items()),
     ]
-    for dtype, r in result["dtypes"].items():
-        by_kernel = r.get("matmul_gflops_by_kernel")  # recorded since both kernel libraries are timed
-        rate = (
-            f"{r['matmul_gflops']} ({', '.join(f'{k} {v}' for k, v in by_kernel.items())})" if by_kernel else r["matmul_gflops"]
-        )
-        lines.append(
-            f"| {dtype} | {rate} | {r['bound_tokens_per_second']} | {r['prefill_tokens_per_second']} | "
-            f"{r['prefill_share_of_bound']:.1%} | {r['raw_prefill_tokens_per_second']} | {r['qserve_vs_raw_lm_eval']} | "
-            f"{r['decode']['tokens_per_second']} | {r['decode_share_of_bound']:.1%} |"
-        )
-    return lines
+
+
+def _markdown_row(dtype: str, r: dict[str, Any]) -> str:
+    by_kernel = r.get("matmul_gflops_by_kernel")  # recorded since both kernel libraries are timed
+    rate = f"{r['matmul_gflops']} ({', '.join(f'{k} {v}' for k, v in by_kernel.items())})" if by_kernel else r["matmul_gflops"]
+    alone = (  # recorded since vLLM alone is timed
+        f"{r['vllm_alone_prefill_tokens_per_second']} ({r['vllm_alone_share_of_bound']:.1%})"
+        if "vllm_alone_prefill_tokens_per_second" in r
+        else "not measured"
+    )
+    return (
+        f"| {dtype} | {rate} | {r['bound_tokens_per_second']} | {r['prefill_tokens_per_second']} | "
+        f"{r['prefill_share_of_bound']:.1%} | {r['raw_prefill_tokens_per_second']} | {r['qserve_vs_raw_lm_eval']} | "
+        f"{alone} | {r['decode']['tokens_per_second']} | {r['decode_share_of_bound']:.1%} |"
+    )
