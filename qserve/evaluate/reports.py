@@ -45,7 +45,10 @@ def format_table(summary: dict[str, Any]) -> str:
 
 
 def markdown_report(summary: dict[str, Any]) -> str:
-    p = summary["parity"]
+    return "\n".join(_verdict_section(summary) + _parity_section(summary) + _kv_section(summary) + _setup_section(summary))
+
+
+def _verdict_section(summary: dict[str, Any]) -> list[str]:
     out = [
         f"# qserve eval: {Path(summary['checkpoint']).name}",
         "",
@@ -58,13 +61,12 @@ def markdown_report(summary: dict[str, Any]) -> str:
         out += ["> **Emulated**: vLLM cannot run this scheme on this device; scores come from transformers.", ""]
     out += md_table(gate_rows(summary)) + [""]
     out += [f"- {g['task']} / {g['metric']}: **{_status(g)}**: {g['reason']}" for g in summary["gates"]] + [""]
-    out += [_look_line(summary), ""] if _look_line(summary) else []
-    out += [
-        "## Engine parity",
-        "",
-        f"**{p['status'].upper()}**: {p.get('reason', '')}",
-        "",
-    ]
+    return out + ([_look_line(summary), ""] if _look_line(summary) else [])
+
+
+def _parity_section(summary: dict[str, Any]) -> list[str]:
+    p = summary["parity"]
+    out = ["## Engine parity", "", f"**{p['status'].upper()}**: {p.get('reason', '')}", ""]
     if "tolerance" in p:
         t = p["tolerance"]
         out += [
@@ -74,18 +76,25 @@ def markdown_report(summary: dict[str, Any]) -> str:
             f"(maximum allowed {t['max_mean_abs_logprob_diff']}; {t['why']}).",
             "",
         ]
-    out += [_kl_line(summary), ""] if _kl_line(summary) else []
+    return out + ([_kl_line(summary), ""] if _kl_line(summary) else [])
+
+
+def _kv_section(summary: dict[str, Any]) -> list[str]:
     kv = summary.get("kv_cache") or {}
-    if kv.get("status") not in (None, "skipped"):
-        out += [
-            "## KV cache",
-            "",
-            f"**{kv['status'].upper()}**: {kv['reason']} ({kv['kv_cache_dtype']}, {kv['layers']} attention layers; "
-            f"k_scale {kv['k_scale'][0]:.4g}–{kv['k_scale'][1]:.4g}, v_scale {kv['v_scale'][0]:.4g}–{kv['v_scale'][1]:.4g}).",
-            "",
-        ]
+    if kv.get("status") in (None, "skipped"):
+        return []
+    return [
+        "## KV cache",
+        "",
+        f"**{kv['status'].upper()}**: {kv['reason']} ({kv['kv_cache_dtype']}, {kv['layers']} attention layers; "
+        f"k_scale {kv['k_scale'][0]:.4g}–{kv['k_scale'][1]:.4g}, v_scale {kv['v_scale'][0]:.4g}–{kv['v_scale'][1]:.4g}).",
+        "",
+    ]
+
+
+def _setup_section(summary: dict[str, Any]) -> list[str]:
     cache = summary["baseline_cache"]
-    out += [
+    return [
         "## Setup",
         "",
         f"- Scheme: {summary['scheme']} (recipe `{summary['recipe']}`)",
@@ -101,7 +110,6 @@ def markdown_report(summary: dict[str, Any]) -> str:
         "a pass must clear the allowance at the one-sided 95% noise bound.",
         "",
     ]
-    return "\n".join(out)
 
 
 def _kl_line(summary: dict[str, Any]) -> str | None:
