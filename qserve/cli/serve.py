@@ -96,7 +96,7 @@ def bench(
         typer.Option(
             "--eval-throughput",
             help="Only the eval-throughput part of the suite: prefill and decode tokens/s per dtype against the "
-            "matmul bound and raw lm-eval (quantizes W8A8 into --work-dir if needed).",
+            "matmul bound, raw lm-eval and vLLM alone on the same tokens (quantizes W8A8 into --work-dir if needed).",
         ),
     ] = False,
     work_dir: Annotated[Path, typer.Option(help="Scratch dir for --suite checkpoints and bench_suite.json.")] = Path(
