@@ -41,7 +41,8 @@ def eval_throughput(w8a8_ckpt: Path, data_dir: Path, limit: int = LIMIT) -> dict
     manifest, device = read_manifest(w8a8_ckpt), detect.detect_device()
     base = baseline_model(manifest).path
     config = lm_eval_config(get_tasks([TASK])[0], data_dir)
-    tokens = prompt_tokens(base, config, limit)
+    documents = _documents(config, limit)  # read once: every side scores these
+    tokens = prompt_tokens(base, documents)
     flops = peak.flops_per_token(base, context=tokens["mean_context"])
     with step("eval throughput: matmul peaks (float32, bfloat16, int8; torch's and vLLM's kernels)"):
         kernels = {d: peak.matmul_gflops(d) for d in ("float32", "bfloat16", "int8")}
@@ -57,7 +58,7 @@ def eval_throughput(w8a8_ckpt: Path, data_dir: Path, limit: int = LIMIT) -> dict
     rows = {}
     for dtype, (path, args, runs_in) in sides.items():
         bound = peak.bound_tokens_per_second(flops, {part: rates[d] for part, d in runs_in.items()})
-        row = _measure(path, args, device, config, limit, tokens["total"])
+        row = _measure(path, args, device, config, documents, tokens["total"])
         rows[dtype] = row | {
             "matmul_gflops": round(rates[dtype], 1),
             "matmul_gflops_by_kernel": {k: round(v, 1) for k, v in kernels[dtype].items()},
@@ -80,13 +81,13 @@ def _warm_up(path: Path, args: VllmArgs, device: detect.Device, config: dict) ->
         lm_eval.simple_evaluate(model=lm, tasks=[config], limit=2, bootstrap_iters=0)
 
 
-def prompt_tokens(model_dir: Path, config: dict, limit: int) -> dict[str, float]:
-    """The tokens lm-eval scores on the first `limit` gsm8k_ppl documents (the task's own text: its
-    doc_to_target, plus the one token lm-eval's rolling windows start from)."""
+def prompt_tokens(model_dir: Path, documents: list[str]) -> dict[str, float]:
+    """The tokens lm-eval scores on the documents (the task's own text, from `_documents`, plus the one
+    token lm-eval's rolling windows start from)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    counts = [len(tokenizer(text).input_ids) + 1 for text in _documents(config, limit)]
+    counts = [len(tokenizer(text).input_ids) + 1 for text in documents]
     return {"total": sum(counts), "documents": len(counts), "mean_context": sum(counts) / len(counts) / 2}
 
 
@@ -99,7 +100,9 @@ def _documents(config: dict, limit: int) -> list[str]:
     return [apply_template(config["doc_to_target"], json.loads(line)) for line in lines]
 
 
-def _measure(path: Path, args: VllmArgs, device: detect.Device, config: dict, limit: int, tokens: int) -> dict[str, Any]:
+def _measure(
+    path: Path, args: VllmArgs, device: detect.Device, config: dict, documents: list[str], tokens: int
+) -> dict[str, Any]:
     """Prefill through qserve's lm-eval run, through raw lm-eval's VLLM model with the same keyword
     arguments and through vLLM alone, in turns for ROUNDS rounds, each run on an engine of its own and
     timed around the scoring alone (engine start excluded); the median of each side is its figure.
@@ -107,7 +110,7 @@ def _measure(path: Path, args: VllmArgs, device: detect.Device, config: dict, li
     from qserve.evaluate.lm_eval_run import Subject, Window, run_lm_eval
 
     label = f"{args.dtype} {args.quantization or 'unquantized'}"
-    documents, runs, decode = _documents(config, limit), {"qserve": [], "raw": [], "alone": []}, None
+    limit, runs, decode = len(documents), {"qserve": [], "raw": [], "alone": []}, None
     for turn in range(ROUNDS):
         run = run_lm_eval(
             Subject(path, args, label), device, [config], Window(limit), during=None if turn else throughput.decode_throughput
