@@ -2,10 +2,9 @@
 runs in a fresh virtual environment.
 
 uv installs packages without their .pyc files (pip compiles them at install), so the first run in a
-fresh environment compiles every module it imports, serially, on one core: 29 s of the demo's 149 s
-from a fresh clone on a 2-core host (2026-11-27: 149.0 s, and 119.6 s in the same clone once its
-bytecode existed). Compiling everything at install (`uv sync --compile-bytecode`) cost 31.9 s of the
-same budget: 30,736 files, of which the demo imports 7,191.
+fresh environment compiles every module it imports, serially, on one core; compiling everything at
+install (`uv sync --compile-bytecode`) takes every file of every package, most never imported. The
+measurements, with and without this module: docs/install.md, "A fresh environment has no bytecode".
 
 So the first qserve command starts one child, at the lowest CPU priority (nice 19 and Linux's
 SCHED_IDLE: it runs only on a core nothing else wants), that compiles the installed libraries while
@@ -13,10 +12,8 @@ the command works, on the core that the command's single-threaded imports and st
 goes in the order `qserve run` needs them (STAGES: each library with the distributions it requires,
 then everything else qserve requires), so that a step's modules tend to be compiled before the step
 imports them; it compiles and does not import, so it holds no model library in memory. In the demo
-it compiled about 11,600 files in the first 25 s, while the embedded model was converted, and then
-waited out quantization, which keeps both cores busy. Fresh-clone demos with it served at 134.6,
-139.4 and 149.0 s, against 148.5 and 149.0 s without it; quantization alone took 40-54 s between
-identical runs on that host, which is most of the spread.
+it does most of its work while the embedded model is converted, then waits out quantization, which
+keeps both cores busy.
 
 Each .pyc is written as an import writes it (atomically, timestamp-checked). When the child has gone
 through every file it marks the environment done and later commands start none; a child stopped
