@@ -26,7 +26,6 @@ from __future__ import annotations
 import atexit
 import importlib.metadata
 import os
-import re
 import subprocess
 import sys
 from collections.abc import Iterable, Iterator
@@ -89,10 +88,12 @@ def sources(stages: Iterable[str] = STAGES, root: str = ROOT) -> Iterator[Path]:
 def _closure(name: str, seen: set[str], extras: bool = False) -> Iterator[Path]:
     """Breadth-first from distribution `name` through its requirements (and its extras', with
     `extras`), skipping `seen` ones."""
+    from packaging.utils import canonicalize_name
+
     queue = [name]
     while queue:
         current = queue.pop(0)
-        key = re.sub(r"[-_.]+", "-", current).lower()
+        key = canonicalize_name(current)
         if key in seen:
             continue
         seen.add(key)
@@ -105,10 +106,13 @@ def _closure(name: str, seen: set[str], extras: bool = False) -> Iterator[Path]:
 
 
 def _requirements_of(dist: importlib.metadata.Distribution, extras: bool = False) -> list[str]:
-    """The distribution names `dist` requires; those only its extras require with `extras` (an
-    extra's requirement that is not installed is skipped later)."""
-    needed = [r for r in dist.requires or [] if extras or not re.search(r";.*\bextra\s*==", r)]
-    return [re.split(r"[\s;<>=!~\[(@]", r, maxsplit=1)[0] for r in needed]
+    """The distribution names `dist` requires on this platform; with `extras`, also those its extras
+    require (an extra's requirement that is not installed is skipped later)."""
+    from packaging.requirements import Requirement
+
+    wanted = [""] + ((dist.metadata.get_all("Provides-Extra") or []) if extras else [])
+    requirements = [Requirement(r) for r in dist.requires or []]
+    return [r.name for r in requirements if r.marker is None or any(r.marker.evaluate({"extra": e}) for e in wanted)]
 
 
 def compile_all(done: Path, files: Iterable[Path], parent: int | None = None) -> bool:

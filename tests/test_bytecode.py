@@ -48,6 +48,12 @@ def test_requirements_of_extras_are_not_followed() -> None:
     assert "sympy" in names and "optree" not in names and "opt-einsum" not in names
 
 
+def test_requirements_of_other_platforms_are_not_followed() -> None:
+    # tqdm requires colorama only on Windows (`platform_system == "Windows"`), and its extras others
+    assert importlib.metadata.distribution("tqdm").requires[0].startswith("colorama;")
+    assert bytecode._requirements_of(importlib.metadata.distribution("tqdm")) == []
+
+
 def _header_flags(source: Path) -> int:
     return int.from_bytes(Path(importlib.util.cache_from_source(str(source))).read_bytes()[4:8], "little")
 
