@@ -434,18 +434,20 @@ def test_the_checkpoints_recipe_is_plain_yaml_and_no_tag_runs_code(tmp_path: Pat
 
 # llm-compressor alone, on the checkpoint's own recipe.yaml and qserve's calibration texts.
 RAW_ONESHOT_FROM_FILE = """
-import json, sys
+import json, sys, torch
 from datasets import Dataset
 from llmcompressor import oneshot
 from transformers import AutoModelForCausalLM, AutoTokenizer
-model_path, texts_file, seq_len, recipe, out = sys.argv[1:6]
+model_path, texts_file, seq_len, recipe, out, calibration_dtype = sys.argv[1:7]
 texts, seq_len = json.load(open(texts_file)), int(seq_len)
 tokenizer = AutoTokenizer.from_pretrained(model_path)
 model = AutoModelForCausalLM.from_pretrained(model_path, dtype="auto")
+source = model.dtype
+model.to(getattr(torch, calibration_dtype))
 enc = tokenizer(texts, truncation=True, max_length=seq_len, add_special_tokens=False)
 oneshot(model=model, recipe=recipe, dataset=Dataset.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}),
         num_calibration_samples=len(texts), max_seq_length=seq_len, shuffle_calibration_samples=False, pipeline="sequential")
-model.save_pretrained(out, save_compressed=True)
+model.to(source).save_pretrained(out, save_compressed=True)
 """
 
 
@@ -476,7 +478,16 @@ def test_raw_llm_compressor_rerun_of_the_checkpoints_recipe_gives_the_same_weigh
     texts, record = load_texts(recipe.calibration, data_dir(), embedded_model_dir)
     assert record["content_sha256"] == read_manifest(ckpt).calibration["content_sha256"]  # the data qserve used
     (tmp_path / "texts.json").write_text(json.dumps(texts))
-    args = [embedded_model_dir, tmp_path / "texts.json", recipe.seq_len, tmp_path / "recipe.yaml", tmp_path / "raw"]
+    # in the dtype qserve calibrated in (float32 on a CPU without a bfloat16 kernel), written back in bfloat16
+    calibrated_in = read_manifest(ckpt).execution["calibration_dtype"]
+    args = [
+        embedded_model_dir,
+        tmp_path / "texts.json",
+        recipe.seq_len,
+        tmp_path / "recipe.yaml",
+        tmp_path / "raw",
+        calibrated_in,
+    ]
     proc = subprocess.run(
         [*QSERVE[:1], "-c", RAW_ONESHOT_FROM_FILE, *map(str, args)], capture_output=True, text=True, timeout=1800
     )
@@ -498,3 +509,30 @@ def test_gptq_batches_only_repeated_shapes_within_a_quarter_of_the_weights() -> 
     assert gptq_batch_size(model) == 3
     assert gptq_batch_size(model.to(torch.bfloat16)) == 3  # counted in float32, GPTQ's precision
     assert gptq_batch_size(torch.nn.ModuleList([head])) == 1
+
+
+def test_without_a_bfloat16_kernel_calibration_runs_in_float32_and_the_checkpoint_stays_bfloat16(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same recipe on the same bfloat16 model, on CPU flags without and with a bfloat16 matmul kernel:
+    the manifest records the dtype each calibrated in, the weights differ (float32 arithmetic), and
+    every tensor of both checkpoints has the same dtype (the float32 copy is written back in bfloat16)."""
+    import torch
+    from safetensors import safe_open
+
+    from qserve.device import detect
+    from qserve.quantize.pipeline import QuantizeOptions
+    from qserve.workflow import quantize_logged
+
+    tensors = {}
+    for flags, calibrated_in in (({"avx2"}, "float32"), ({"avx2", "avx512f", "avx512_bf16"}, "bfloat16")):
+        monkeypatch.setattr(detect, "cpu_flags", lambda flags=flags: frozenset(flags))
+        out = quantize_logged(REPO / "recipes" / "w8a8-int8.yaml", QuantizeOptions(str(tiny_model), tmp_path / calibrated_in))
+        assert read_manifest(out).execution["calibration_dtype"] == calibrated_in
+        with safe_open(out / "model.safetensors", "pt") as f:
+            tensors[calibrated_in] = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is no dict)
+    in_float32, in_bfloat16 = tensors["float32"], tensors["bfloat16"]
+    assert {k: t.dtype for k, t in in_float32.items()} == {k: t.dtype for k, t in in_bfloat16.items()}
+    assert in_float32["model.embed_tokens.weight"].dtype == torch.bfloat16
+    down = "model.layers.0.mlp.down_proj.weight"
+    assert in_float32[down].dtype == torch.int8 and not torch.equal(in_float32[down], in_bfloat16[down])

@@ -16,6 +16,7 @@ import pytest
 from conftest import QSERVE, REPO, copy_tokenizer, llama_config, run_qserve
 
 from qserve.checkpoint.manifest import read_manifest
+from qserve.device.detect import native_bfloat16
 from qserve.errors import QserveError, is_out_of_memory
 from qserve.quantize import distributed, execution
 from qserve.quantize.recipe import parse_recipe
@@ -89,10 +90,40 @@ def test_failed_allocations_are_recognised_as_out_of_memory() -> None:
     assert not is_out_of_memory(RuntimeError("shape mismatch")) and not is_out_of_memory(OSError(errno.ENOSPC, "full"))
 
 
-def test_auto_keeps_a_model_that_fits_in_memory(embedded_model_dir: Path) -> None:
-    run = execution.choose(parse_recipe("name: x\nscheme: FP8_DYNAMIC\n"), embedded_model_dir)
+def test_auto_keeps_a_model_that_fits_in_memory(embedded_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from qserve.device import detect
+
+    recipe = parse_recipe("name: x\nscheme: FP8_DYNAMIC\n")
+    monkeypatch.setattr(detect, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    run = execution.choose(recipe, embedded_model_dir)
     # The bfloat16 conversion: 269 MB, 0.25 GiB.
     assert run.path == "in_memory" and run.reason.startswith("auto: fits (0.3 GiB of weights, ")
+    # Without a bfloat16 kernel a calibrated recipe runs in float32: twice the bytes in memory.
+    monkeypatch.setattr(detect, "cpu_flags", lambda: frozenset({"avx2"}))
+    assert execution.choose(recipe, embedded_model_dir).reason.startswith("auto: fits (0.3 GiB of weights, ")  # data-free
+    calibrated = parse_recipe("name: x\nscheme: W8A8\ncalibration: {source: gsm8k-train, samples: 4}\n")
+    reason = execution.choose(calibrated, embedded_model_dir).reason
+    assert reason.startswith("auto: fits (0.3 GiB of weights (0.5 GiB in float32 to calibrate), ")
+
+
+@pytest.mark.parametrize(
+    ("flags", "model_dtype", "calibrated_in"),
+    [
+        ({"avx2"}, "bfloat16", "float32"),  # e.g. AMD EPYC Milan: no bfloat16 matmul kernel
+        ({"avx2", "avx512f"}, "bfloat16", "float32"),  # AVX-512 without its BF16 extension
+        ({"avx2", "avx512f", "avx512_bf16"}, "bfloat16", "bfloat16"),
+        ({"avx2", "amx_tile", "amx_bf16"}, "bfloat16", "bfloat16"),
+        ({"avx2"}, "float16", "float16"),  # not measured: left as it is
+        ({"avx2"}, "float32", "float32"),
+    ],
+)
+def test_bfloat16_calibrates_in_float32_only_without_a_bfloat16_kernel(
+    monkeypatch: pytest.MonkeyPatch, flags: set[str], model_dtype: str, calibrated_in: str
+) -> None:
+    from qserve.device import detect
+
+    monkeypatch.setattr(detect, "cpu_flags", lambda: frozenset(flags))
+    assert execution.calibration_dtype(model_dtype) == calibrated_in
 
 
 @pytest.mark.parametrize(
@@ -295,7 +326,9 @@ def test_a_calibrated_model_larger_than_the_memory_limit_is_offloaded_to_disk(
         proc = _quantize_in(group, recipe, model, tmp_path / "out")
         hits = _limit_hits(group)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    sizes = f"{weights / 2**30:.1f} GiB of weights, {OFFLOAD_LIMIT_BYTES / 2**30:.1f} GiB of memory available"
+    # Without a bfloat16 matmul kernel (the machine's flags) its bfloat16 weights would calibrate in float32.
+    widened = "" if native_bfloat16() else f" ({2 * weights / 2**30:.1f} GiB in float32 to calibrate)"
+    sizes = f"{weights / 2**30:.1f} GiB of weights{widened}, {OFFLOAD_LIMIT_BYTES / 2**30:.1f} GiB of memory available"
     assert f"execution: offload (auto: too large to load ({sizes}); weights beyond memory offloaded to disk)" in proc.stderr
     assert hits > 0  # the limit bound: the kernel reclaimed memory to keep the process under it
     manifest = read_manifest(tmp_path / "out")

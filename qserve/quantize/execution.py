@@ -35,9 +35,10 @@ def choose(recipe: Recipe, model_path: Path, nproc: int = 1, nnodes: int = 1) ->
         return Execution("distributed", f"--nproc {nproc}: data-parallel calibration under torchrun", nproc)
     if recipe.execution != "auto":
         return Execution(recipe.execution, "the recipe's execution")
-    weights, limit = weight_bytes(model_path), memory_limit_bytes()
-    needed = IN_MEMORY_FACTOR * weights + LIBRARY_HEADROOM
-    sizes = f"{weights / 2**30:.1f} GiB of weights, {limit / 2**30:.1f} GiB of memory available"
+    weights, held, limit = weight_bytes(model_path), held_bytes(recipe, model_path), memory_limit_bytes()
+    needed = IN_MEMORY_FACTOR * held + LIBRARY_HEADROOM
+    widened = f" ({held / 2**30:.1f} GiB in float32 to calibrate)" if held != weights else ""
+    sizes = f"{weights / 2**30:.1f} GiB of weights{widened}, {limit / 2**30:.1f} GiB of memory available"
     if needed <= limit:
         return Execution("in_memory", f"auto: fits ({sizes})")
     if recipe.model_free_obstacle() is None:
@@ -45,6 +46,35 @@ def choose(recipe: Recipe, model_path: Path, nproc: int = 1, nnodes: int = 1) ->
     if recipe.backend != "llmcompressor":
         raise QserveError(f"the model needs about {needed / 2**30:.1f} GiB to quantize ({sizes}); Quark loads it whole")
     return Execution("offload", f"auto: too large to load ({sizes}); weights beyond memory offloaded to disk")
+
+
+def calibration_dtype(model_dtype: str) -> str:
+    """The dtype a model held in `model_dtype` calibrates in, in memory: float32 for a bfloat16 model
+    on a CPU without a bfloat16 matmul kernel (device/detect.py has the figures; float32 holds every
+    bfloat16 value exactly, and the checkpoint is written back in bfloat16), else its own."""
+    import torch
+
+    from qserve.device.detect import native_bfloat16
+
+    if model_dtype == "bfloat16" and not torch.cuda.is_available() and not native_bfloat16():
+        return "float32"
+    return model_dtype
+
+
+def held_bytes(recipe: Recipe, model_path: Path) -> int:
+    """The model's weights as quantizing `recipe` holds them in memory: twice their size on disk when
+    llm-compressor calibrates bfloat16 weights in float32."""
+    own = config_dtype(model_path)
+    widens = recipe.backend == "llmcompressor" and recipe.calibration is not None and calibration_dtype(own) != own
+    return weight_bytes(model_path) * (2 if widens else 1)
+
+
+def config_dtype(model_path: Path) -> str:
+    """The dtype a checkpoint's config.json gives its weights (transformers wrote `torch_dtype`, now `dtype`)."""
+    path = Path(model_path) / "config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    config = config.get("text_config", config) | config
+    return str(config.get("dtype") or config.get("torch_dtype") or "float32")
 
 
 def offload_budget() -> int:

@@ -25,8 +25,10 @@ from qserve.progress import info, step
 from qserve.quantize import architecture, backends
 from qserve.quantize.execution import (
     Execution,
+    calibration_dtype,
     check_parallel,
     choose,
+    config_dtype,
     memory_limit_bytes,
     offload_budget,
     peak_rss_mib,
@@ -336,6 +338,8 @@ def _execute(
         launched = distributed.launch(model_path, recipe, texts, out, trust_remote_code, run.nproc, **nodes)
         experts = launched.pop("experts")  # the added-up counts go to the manifest's `experts`
         return exported_scheme(out, recipe), record | launched, experts
+    if recipe.backend == "llmcompressor" and texts:  # its in-memory run calibrates in this dtype (run_oneshot)
+        record["calibration_dtype"] = calibration_dtype(config_dtype(model_path))
     name, experts = backends.runner(recipe.backend).quantize(model_path, recipe, texts, out, trust_remote_code)
     return name, record, experts
 

@@ -227,6 +227,9 @@ def run_oneshot(
 
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     model = _load_model(model_path, trust_remote_code, distributed, offload)
+    source_dtype, calibrating = model.dtype, _calibrating_dtype(model, texts, offloaded=distributed or offload is not None)
+    if calibrating != source_dtype:
+        model.to(calibrating)
     # Not offloaded: there memory is what is short, and a batch holds its layers' weights at once.
     modifiers = build_modifiers(recipe, model, batch_gptq=offload is None)
     kwargs = _calibration_kwargs(recipe, texts, tokenizer)
@@ -245,10 +248,24 @@ def run_oneshot(
     # llm-compressor's default shard (20 GB) is the whole model; keep each within the budget
     # (measured: peak RSS 1193 -> 1074 MiB, a 1.3 GiB model offloaded under a 1 GiB cgroup).
     shard = {"max_shard_size": offload["max_memory"]["cpu"]} if offload else {}
+    if calibrating != source_dtype:
+        model.to(source_dtype)  # the checkpoint keeps the source's dtype
     model.save_pretrained(out_dir, save_compressed=True, **shard)
     if not distributed or _rank() == 0:
         tokenizer.save_pretrained(out_dir)
     return record
+
+
+def _calibrating_dtype(model: Any, texts: list[str] | None, offloaded: bool) -> Any:
+    """The torch dtype `model` calibrates on `texts` in (execution.calibration_dtype); without texts
+    nothing runs forward, and offloaded weights are loaded as they are needed, in their own dtype."""
+    import torch
+
+    from qserve.quantize.execution import calibration_dtype
+
+    if offloaded or not texts:
+        return model.dtype
+    return getattr(torch, calibration_dtype(str(model.dtype).removeprefix("torch.")))
 
 
 def _calibration_kwargs(recipe: Recipe, texts: list[str] | None, tokenizer: Any) -> dict[str, Any]:
