@@ -330,21 +330,24 @@ def test_w8a8_is_refused_on_a_cpu_without_an_int8_dot_product_that_accumulates_i
         assert support.support_for("compressed-tensors", "W8A8", "cpu", with_it) == support.CPU[("compressed-tensors", "W8A8")]
 
 
-# vLLM-CPU's INT8 GEMM (the oneDNN handler its W8A8 layers use) on full-range int8, against the exact
-# integer product (below 2^24, so float32 holds it exactly); prints whether they agree.
+# vLLM-CPU's INT8 GEMM (the oneDNN handler its W8A8 layers use, with their bfloat16 output) on full-range
+# int8, against the exact integer product; prints whether they agree within one bfloat16 step (2^-7 of each
+# value; the saturated product missed by 19 % on average, one with 7-bit values by 0.3 %).
 INT8_GEMM = """
 import torch
 from vllm import _custom_ops as ops
 torch.manual_seed(0)
 weight, x = torch.randint(-128, 128, (576, 576), dtype=torch.int8), torch.randint(-128, 128, (64, 576), dtype=torch.int8)
-handler = ops.create_onednn_scaled_mm(weight.t(), torch.ones(576, 1), torch.float32, True, False, 32)
-out = torch.empty(64, 576)
-ops.onednn_scaled_mm(handler, x, out, torch.ones(64, 1), None, None, None)
-print(torch.equal(out.double(), x.double() @ weight.double().t()))
+weight_scale, x_scale = torch.ones(576, 1), torch.ones(64, 1)  # kept alive: the handler holds a pointer to its scale
+handler = ops.create_onednn_scaled_mm(weight.t(), weight_scale, torch.bfloat16, True, False, 32)
+out = torch.empty(64, 576, dtype=torch.bfloat16)
+ops.onednn_scaled_mm(handler, x, out, x_scale, None, None, None)
+exact = x.double() @ weight.double().t()
+print(bool(((out.double() - exact).abs() <= exact.abs() * 2**-7).all()))
 """
 
 
-def test_the_int8_gemm_is_exact_exactly_where_the_cpu_flags_say() -> None:
+def test_the_int8_gemm_is_right_exactly_where_the_cpu_flags_say() -> None:
     """The evidence behind CPU_NEEDS_VNNI on this machine: vLLM-CPU's own INT8 kernel, run for real."""
     out = subprocess.run([sys.executable, "-c", INT8_GEMM], capture_output=True, text=True, check=True)
     assert out.stdout.split()[-1] == str(support.int8_gemm_exact(detect.cpu_flags()))

@@ -56,11 +56,12 @@ def _vllm_matmul(dtype: str, size: int) -> Callable[[], object]:
     from vllm import _custom_ops as ops
 
     if dtype == "int8":
-        weight = torch.randint(-128, 127, (size, size), dtype=torch.int8).t()
-        handler = ops.create_onednn_scaled_mm(weight, torch.rand(size, 1), torch.bfloat16, True, False, 32)
+        weight, scale = torch.randint(-128, 127, (size, size), dtype=torch.int8).t(), torch.rand(size, 1)
+        handler = ops.create_onednn_scaled_mm(weight, scale, torch.bfloat16, True, False, 32)
         x, x_scale = torch.randint(-128, 127, (size, size), dtype=torch.int8), torch.rand(size, 1)
         out = torch.empty(size, size, dtype=torch.bfloat16)
-        return lambda: ops.onednn_scaled_mm(handler, x, out, x_scale, None, None, None)
+        # the handler points at `scale` without holding it: the closure keeps it alive
+        return lambda scale=scale: ops.onednn_scaled_mm(handler, x, out, x_scale, None, None, None)
     weight = torch.randn(size, size).to(getattr(torch, dtype)).t()
     handler = ops.create_onednn_mm(weight, 32)
     x = torch.randn(size, size).to(getattr(torch, dtype))
