@@ -529,6 +529,7 @@ def test_without_a_bfloat16_kernel_calibration_runs_in_float32_and_the_checkpoin
         monkeypatch.setattr(detect, "cpu_flags", lambda flags=flags: frozenset(flags))
         out = quantize_logged(REPO / "recipes" / "w8a8-int8.yaml", QuantizeOptions(str(tiny_model), tmp_path / calibrated_in))
         assert read_manifest(out).execution["calibration_dtype"] == calibrated_in
+        assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"  # the source's, restored
         with safe_open(out / "model.safetensors", "pt") as f:
             tensors[calibrated_in] = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is no dict)
     in_float32, in_bfloat16 = tensors["float32"], tensors["bfloat16"]

@@ -227,9 +227,8 @@ def run_oneshot(
 
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     model = _load_model(model_path, trust_remote_code, distributed, offload)
-    source_dtype, calibrating = model.dtype, _calibrating_dtype(model, texts, offloaded=distributed or offload is not None)
-    if calibrating != source_dtype:
-        model.to(calibrating)
+    source_dtype = model.dtype
+    _hold(model, _calibrating_dtype(model, texts, offloaded=distributed or offload is not None))
     # Not offloaded: there memory is what is short, and a batch holds its layers' weights at once.
     modifiers = build_modifiers(recipe, model, batch_gptq=offload is None)
     kwargs = _calibration_kwargs(recipe, texts, tokenizer)
@@ -248,12 +247,21 @@ def run_oneshot(
     # llm-compressor's default shard (20 GB) is the whole model; keep each within the budget
     # (measured: peak RSS 1193 -> 1074 MiB, a 1.3 GiB model offloaded under a 1 GiB cgroup).
     shard = {"max_shard_size": offload["max_memory"]["cpu"]} if offload else {}
-    if calibrating != source_dtype:
-        model.to(source_dtype)  # the checkpoint keeps the source's dtype
+    _hold(model, source_dtype)  # the checkpoint keeps the source's dtype
     model.save_pretrained(out_dir, save_compressed=True, **shard)
     if not distributed or _rank() == 0:
         tokenizer.save_pretrained(out_dir)
     return record
+
+
+def _hold(model: Any, dtype: Any) -> None:
+    """Hold `model`'s weights in `dtype`, and say so in its config: llm-compressor builds a mixture of
+    experts' linearized experts in the config's dtype."""
+    if model.dtype == dtype:
+        return
+    model.to(dtype)
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        config.dtype = dtype
 
 
 def _calibrating_dtype(model: Any, texts: list[str] | None, offloaded: bool) -> Any:
