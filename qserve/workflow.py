@@ -65,6 +65,25 @@ def checkpoint_for(
     return quantize_logged(recipe, options, verbose)
 
 
+def check_servable_here(recipe: Path) -> None:
+    """`qserve run` ends by serving: refuse before any work a recipe whose scheme `qserve serve`
+    would refuse on this device (device/support.py), rather than after quantizing and evaluating it."""
+    from qserve.checkpoint.backends import BACKENDS
+    from qserve.device import detect, support
+    from qserve.quantize.recipe import load_recipe
+
+    parsed, _ = load_recipe(recipe)
+    if parsed.scheme is None:  # llm-compressor modifiers: the scheme is read from the export
+        return
+    claim = support.support_for(BACKENDS[parsed.backend].vllm_quantization, parsed.scheme, detect.detect_device().kind)
+    if not claim.serves:
+        needs = f"; it needs {claim.needs}" if claim.needs else ""
+        raise QserveError(
+            f"{parsed.scheme} cannot be served on this machine ({claim.evidence}){needs}. "
+            "`qserve quantize` and `qserve eval` still run it"
+        )
+
+
 def why_stale(out: Path, recipe: Path, model: str | None, data_dir: Path | None, trust_remote_code: bool) -> str | None:
     """Why the checkpoint at `out` is not this recipe's output (None: it is, and intact)."""
     from qserve.checkpoint.hashing import model_digest

@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import ALLOWED_USES, small_manifest
+from conftest import ALLOWED_USES, REPO, run_qserve_in_process, small_manifest
 
 from qserve.checkpoint.manifest import Manifest, VllmArgs
+from qserve.device import support
 from qserve.device.detect import Device
 from qserve.errors import QserveError
 from qserve.serve.plan import Endpoint, plan
@@ -289,3 +290,19 @@ def test_cuda_engine_arguments_and_environment(tmp_path: Path, monkeypatch) -> N
     from qserve.device.passthrough import served_environment
 
     assert served_environment(cpu_env) == cpu_env
+
+
+def test_qserve_run_refuses_before_work_a_scheme_serve_would_refuse_here(tmp_path: Path, monkeypatch) -> None:
+    """On CPU flags without VNNI or AMX-INT8, INT8 W8A8 is not served (device/support.py): `qserve run`
+    says so in one line before it quantizes anything, instead of after quantizing and evaluating."""
+    from qserve.device import detect
+
+    monkeypatch.setattr(detect, "cpu_flags", lambda: frozenset({"avx", "avx2", "fma"}))
+    r = run_qserve_in_process("run", REPO / "recipes" / "w8a8-int8.yaml", "--output", tmp_path / "out")
+    claim = support.CPU_NEEDS_VNNI["W8A8"]
+    expected = (
+        f"error: W8A8 cannot be served on this machine ({claim.evidence}); it needs {claim.needs}. "
+        "`qserve quantize` and `qserve eval` still run it"
+    )
+    assert (r.returncode, r.stderr.strip()) == (1, expected)
+    assert not (tmp_path / "out").exists()

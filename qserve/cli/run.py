@@ -69,11 +69,12 @@ def run(
     from qserve.evaluate.reports import format_table
     from qserve.serve.plan import Endpoint, check_before_work
     from qserve.serve.server import ensure_port_free, serve
-    from qserve.workflow import checkpoint_for, gate_for
+    from qserve.workflow import check_servable_here, checkpoint_for, gate_for
 
     gates = parse_cli_gates(gate or [])
     check_before_work(list(ctx.args))  # the serve step's options and environment, before any work
     ensure_port_free(host, port)  # and its port: checked again when the server starts
+    check_servable_here(recipe)  # and the scheme
     key_args = api_key(key, key_file)
     ckpt = checkpoint_for(
         recipe, model=model, output=output, data_dir=data_dir, trust_remote_code=trust_remote_code, verbose=verbose
