@@ -61,18 +61,26 @@ def calibration_dtype(model_dtype: str) -> str:
     return model_dtype
 
 
+def recipe_calibration_dtype(recipe: Recipe, model_path: Path) -> str | None:
+    """The dtype llm-compressor's in-memory run of `recipe` calibrates the model at `model_path` in;
+    None when nothing calibrates (Quark, a data-free recipe)."""
+    if recipe.backend != "llmcompressor" or recipe.calibration is None:
+        return None
+    return calibration_dtype(config_dtype(model_path))
+
+
 def held_bytes(recipe: Recipe, model_path: Path) -> int:
     """The model's weights as quantizing `recipe` holds them in memory: twice their size on disk when
     llm-compressor calibrates bfloat16 weights in float32."""
-    own = config_dtype(model_path)
-    widens = recipe.backend == "llmcompressor" and recipe.calibration is not None and calibration_dtype(own) != own
+    widens = recipe_calibration_dtype(recipe, model_path) not in (None, config_dtype(model_path))
     return weight_bytes(model_path) * (2 if widens else 1)
 
 
 def config_dtype(model_path: Path) -> str:
     """The dtype a checkpoint's config.json gives its weights (transformers wrote `torch_dtype`, now `dtype`)."""
-    path = Path(model_path) / "config.json"
-    config = json.loads(path.read_text()) if path.is_file() else {}
+    from qserve.quantize.architecture import model_config
+
+    config = model_config(model_path) if (Path(model_path) / "config.json").is_file() else {}
     config = config.get("text_config", config) | config
     return str(config.get("dtype") or config.get("torch_dtype") or "float32")
 

@@ -25,13 +25,12 @@ from qserve.progress import info, step
 from qserve.quantize import architecture, backends
 from qserve.quantize.execution import (
     Execution,
-    calibration_dtype,
     check_parallel,
     choose,
-    config_dtype,
     memory_limit_bytes,
     offload_budget,
     peak_rss_mib,
+    recipe_calibration_dtype,
     return_freed_weights_to_the_system,
     shard_count,
 )
@@ -338,8 +337,8 @@ def _execute(
         launched = distributed.launch(model_path, recipe, texts, out, trust_remote_code, run.nproc, **nodes)
         experts = launched.pop("experts")  # the added-up counts go to the manifest's `experts`
         return exported_scheme(out, recipe), record | launched, experts
-    if recipe.backend == "llmcompressor" and texts:  # its in-memory run calibrates in this dtype (run_oneshot)
-        record["calibration_dtype"] = calibration_dtype(config_dtype(model_path))
+    if (calibrating := recipe_calibration_dtype(recipe, model_path)) is not None:  # as run_oneshot does
+        record["calibration_dtype"] = calibrating
     name, experts = backends.runner(recipe.backend).quantize(model_path, recipe, texts, out, trust_remote_code)
     return name, record, experts
 
