@@ -75,7 +75,9 @@ def check_servable_here(recipe: Path) -> None:
     parsed, _ = load_recipe(recipe)
     if parsed.scheme is None:  # llm-compressor modifiers: the scheme is read from the export
         return
-    claim = support.support_for(BACKENDS[parsed.backend].vllm_quantization, parsed.scheme, detect.detect_device().kind)
+    kv = parsed.kv_cache.dtype if parsed.kv_cache else "auto"
+    method = BACKENDS[parsed.backend].vllm_quantization
+    claim = support.support_for(method, parsed.scheme, detect.detect_device().kind, kv_cache_dtype=kv)
     if not claim.serves:
         needs = f"; it needs {claim.needs}" if claim.needs else ""
         raise QserveError(

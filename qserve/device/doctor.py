@@ -88,7 +88,7 @@ def scheme_matrix(kind: str) -> list[dict[str, Any]]:
                     "serve_evidence": s.serve_evidence,
                 }
             )
-    kv = support.CPU_KV_CACHE if kind == "cpu" else None
+    kv = support.kv_cache_support(detect.cpu_flags()) if kind == "cpu" else None
     if kv:
         rows.append(
             {

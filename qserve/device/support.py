@@ -19,6 +19,7 @@ from pathlib import Path
 from qserve.checkpoint.manifest import Manifest
 from qserve.checkpoint.schemes import parts_of
 from qserve.device import detect
+from qserve.device.probe import INT8_WRONG
 from qserve.errors import UnsupportedOnDevice
 
 # What runs each scheme vLLM-CPU cannot: read from vLLM 0.32's source (kernel `is_supported` checks,
@@ -124,6 +125,22 @@ CPU_KV_CACHE = Support(
     serves=True,
     serve_evidence=SERVED,
 )
+# vLLM-CPU 0.32's attention backend refuses an FP8 KV cache without AVX-512 or AMX (v1/attention/backends/
+# cpu_attn.py); seen on an AMD EPYC without AVX-512 (2026-11-27), at the first request.
+FP8_KV_NO_AVX512 = "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"
+CPU_KV_CACHE_NEEDS_AVX512 = Support(
+    False,
+    "vLLM-CPU's attention has an FP8 KV cache only with AVX-512 or AMX: without them the first request fails",
+    "a CPU with AVX-512 or AMX, or a GPU",
+    failure=FP8_KV_NO_AVX512,
+)
+
+
+def kv_cache_support(flags: frozenset[str]) -> Support:
+    """Whether vLLM-CPU runs an FP8 KV cache on a CPU with `flags`."""
+    return CPU_KV_CACHE if {"avx512f", "amx_tile"} & flags else CPU_KV_CACHE_NEEDS_AVX512
+
+
 # Combinations a user can fix with the recipe's dtype (the scheme itself runs here).
 INT4_FLOAT32 = (
     "vLLM's int4 GEMM (cpu_gemm_wna16) has no float32 path, and int4 kernels on NVIDIA/AMD GPUs "
@@ -150,6 +167,7 @@ CPU_NEEDS_AVX512 = {
         "without AVX-512 vLLM-CPU loads its AVX2 kernel library (vllm._C_AVX2), which has no int4 GEMM "
         "(cpu_gemm_wna16): the model loads, and the first request fails",
         "a CPU with AVX-512, or a GPU",
+        failure="object has no attribute 'cpu_gemm_wna16'",
     )
 }
 
@@ -168,6 +186,7 @@ CPU_NEEDS_VNNI = {
         "sums: a full-range int8 product was off by 19 % on average, and the demo's W8A8 checkpoint lost 5.8 % "
         "perplexity against 0.3 % on a VNNI CPU",
         "a CPU with AVX512_VNNI, AVX-VNNI or AMX-INT8, or a GPU",
+        failure=INT8_WRONG,  # the probe runs the kernel: an INT8 layer answers even where it is wrong
     )
 }
 
@@ -233,22 +252,38 @@ CPU_MOE_AMX = {
 }
 
 
-def support_for(method: str, scheme: str, kind: str, cpu_flags: frozenset[str] | None = None, moe: bool = False) -> Support:
+def support_for(
+    method: str,
+    scheme: str,
+    kind: str,
+    cpu_flags: frozenset[str] | None = None,
+    moe: bool = False,
+    kv_cache_dtype: str = "auto",
+) -> Support:
     """Whether vLLM runs `scheme` written as `method` (its quantization name) on a `kind` device.
 
     `cpu_flags` (default: this machine's) decide the entries that need an ISA extension; `moe`:
-    the scheme is on a mixture-of-experts model's experts.
+    the scheme is on a mixture-of-experts model's experts; `kv_cache_dtype`: the checkpoint's KV cache.
     """
     if kind != "cpu":
         gpu = "not measured by qserve on GPUs; vLLM checks the compute capability at load"
         return Support(True, gpu, serves=True, serve_evidence=gpu)
     flags = detect.cpu_flags() if cpu_flags is None else cpu_flags
+    weights = _cpu_support(method, scheme, flags, moe)
+    kv = kv_cache_support(flags)
+    return kv if weights.runs and kv_cache_dtype.startswith("fp8") and not kv.runs else weights
+
+
+def _cpu_support(method: str, scheme: str, flags: frozenset[str], moe: bool) -> Support:
+    table = CPU_MOE_AMX if "amx_tile" in flags else CPU_MOE
+    refused = table.get((method, scheme)) if moe else None
+    if refused is not None and refused.failure:
+        return refused  # vLLM refuses the experts at load, before any kernel an ISA extension decides runs
     needs = [CPU_NEEDS_AVX512[p] for p in parts_of(scheme) if p in CPU_NEEDS_AVX512 and "avx512f" not in flags]
     needs += [CPU_NEEDS_VNNI[p] for p in parts_of(scheme) if p in CPU_NEEDS_VNNI and not int8_gemm_exact(flags)]
     if needs:
         return needs[0]
     if moe:
-        table = CPU_MOE_AMX if "amx_tile" in flags else CPU_MOE
         unseen = f"{method} {scheme} on a mixture-of-experts model was never run on vLLM-CPU by qserve"
         dense = CPU.get((method, scheme))
         if (method, scheme) not in table and dense is not None and not dense.runs:
@@ -262,7 +297,10 @@ def support_for(method: str, scheme: str, kind: str, cpu_flags: frozenset[str] |
 def vllm_support(manifest: Manifest, kind: str) -> Support:
     """Whether vLLM runs this checkpoint's scheme on a device of `kind` ("cpu" or "cuda") here."""
     # Experts kept in 16 bits run through vLLM's unquantized MoE kernel, like a dense model's layers.
-    return support_for(manifest.vllm_args.quantization or "none", manifest.scheme, kind, moe=manifest.quantized_experts)
+    args = manifest.vllm_args
+    return support_for(
+        args.quantization or "none", manifest.scheme, kind, moe=manifest.quantized_experts, kv_cache_dtype=args.kv_cache_dtype
+    )
 
 
 def check_dtype(manifest: Manifest, kind: str, detail: str) -> None:
