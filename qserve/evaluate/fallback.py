@@ -11,10 +11,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from qserve.device.detect import cpu_compute_dtype
 from qserve.progress import step
 
-# compressed-tensors decompresses into bfloat16 weights (float32 activations then fail to
-# multiply); Quark's MXFP4 emulation on CPU has no half-precision path; the baseline stays float32.
+# compressed-tensors decompresses into bfloat16 weights (float32 activations then fail to multiply,
+# unless every weight is upcast: in_transformers.load_checked does, for float32); Quark's MXFP4 emulation
+# on CPU has no half-precision path; the baseline stays float32. On a CPU without a bfloat16 kernel
+# everything runs in float32 (detect.cpu_compute_dtype).
 DTYPES = {"compressed-tensors": "bfloat16", "quark": "float32", None: "float32"}
 BATCH_SIZE = 8
 
@@ -24,7 +27,7 @@ def lm_kwargs(model_path: Path, quantization: str | None, trust_remote_code: boo
     return {
         "backend_kind": "transformers",
         "pretrained": str(model_path),
-        "dtype": DTYPES.get(quantization, "float32"),
+        "dtype": cpu_compute_dtype(DTYPES.get(quantization, "float32")),
         "device": "cpu",
         "batch_size": BATCH_SIZE,
         "trust_remote_code": trust_remote_code,

@@ -54,11 +54,9 @@ def calibration_dtype(model_dtype: str) -> str:
     bfloat16 value exactly, and the checkpoint is written back in bfloat16), else its own."""
     import torch
 
-    from qserve.device.detect import native_bfloat16
+    from qserve.device.detect import cpu_compute_dtype
 
-    if model_dtype == "bfloat16" and not torch.cuda.is_available() and not native_bfloat16():
-        return "float32"
-    return model_dtype
+    return model_dtype if torch.cuda.is_available() else cpu_compute_dtype(model_dtype)
 
 
 def recipe_calibration_dtype(recipe: Recipe, model_path: Path) -> str | None:
