@@ -171,12 +171,12 @@ def tune(recipe_path: str | Path, options: TuneOptions | None = None) -> dict[st
     options = options or TuneOptions()
     if options.objective not in ("bytes", "throughput"):
         raise InvalidSpec(f"objective must be bytes or throughput, not {options.objective!r}")
-    recipe, _ = load_recipe(recipe_path)
-    low = smaller_scheme(recipe, options.low, detect_device().kind)
-    if not options.limit and not options.sensitivity_only:
+    if not options.limit and not options.sensitivity_only:  # the options' own mistakes before the device's
         raise InvalidSpec(
             "qserve tune needs --limit: the winner is confirmed on the next --limit items, held out from the search"
         )
+    recipe, _ = load_recipe(recipe_path)
+    low = smaller_scheme(recipe, options.low, detect_device().kind)
     out = Path(options.out_dir or f"tune-{recipe.name}")
     out.mkdir(parents=True, exist_ok=True)
     ranking, files = _sensitivity(recipe, options, low, out)
