@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from qserve.checkpoint.manifest import MANIFEST_NAME, Manifest
+from qserve.device import detect, support
 from qserve.evaluate import looks
 from qserve.serve.server import free_port  # noqa: F401  (tests import it from here)
 
@@ -39,6 +40,50 @@ def _make_default(name: str) -> str:
 
 
 DEMO_RECIPE, DEMO_TASKS, DEMO_LIMIT = _make_default("RECIPE"), _make_default("TASKS"), int(_make_default("LIMIT"))
+DEMO = Path(DEMO_RECIPE).stem
+
+# recipe -> (scheme, vLLM quantization method, kv_cache_dtype) its checkpoint must record (test_support checks each)
+EXPECTED = {
+    "fp8": ("FP8_DYNAMIC", "compressed-tensors", "auto"),
+    "fp8-kv": ("FP8_DYNAMIC", "compressed-tensors", "fp8"),
+    "fp8-static": ("FP8", "compressed-tensors", "auto"),
+    "w8a8-int8": ("W8A8", "compressed-tensors", "auto"),
+    "smollm2-tuned": ("W8A8+W4A16", "compressed-tensors", "auto"),
+    "w4a16-gptq": ("W4A16", "compressed-tensors", "auto"),
+    "w4a16-awq": ("W4A16", "compressed-tensors", "auto"),
+    "w4a16-autoround": ("W4A16", "compressed-tensors", "auto"),
+    "w4a16-fp8kv": ("W4A16", "compressed-tensors", "fp8"),
+    "mxfp4": ("MXFP4", "compressed-tensors", "auto"),
+    "llmcompressor-fp8-dynamic": ("FP8_DYNAMIC", "compressed-tensors", "auto"),
+    "quark-w4a16": ("W4A16", "quark", "auto"),
+    "quark-fp8-kv": ("FP8", "quark", "fp8"),
+    "quark-mxfp4": ("MXFP4", "quark", "auto"),
+    "fp8-block": ("FP8_BLOCK", "compressed-tensors", "auto"),
+    "mxfp8": ("MXFP8", "compressed-tensors", "auto"),
+    "nvfp4": ("NVFP4", "compressed-tensors", "auto"),
+    "nvfp4a16": ("NVFP4A16", "compressed-tensors", "auto"),
+    "w4afp8": ("W4AFP8", "compressed-tensors", "auto"),
+    "w8a8-int8-2of4": ("W8A8", "compressed-tensors", "auto"),  # dense W8A8 to vLLM (test_sparsity.py)
+}
+
+
+def support_here(name: str) -> support.Support:
+    """What the support matrix claims for recipe `name`'s checkpoint on this machine's CPU."""
+    scheme, method, kv = EXPECTED[name]
+    return support.support_for(method, scheme, "cpu", detect.cpu_flags(), kv_cache_dtype=kv)
+
+
+def runs_here(name: str, serve: bool = False) -> bool:
+    s = support_here(name)
+    return s.runs and (s.serves or not serve)
+
+
+def needs_vllm(*names: str, serve: bool = False) -> pytest.MarkDecorator:
+    """Skip a test that needs vLLM to run (or serve) these recipes' checkpoints, where this CPU cannot:
+    the reason is the support matrix's, which test_support proves on this CPU (probe, parity, refusal)."""
+    missing = [n for n in names if not runs_here(n, serve)]
+    reasons = "; ".join(f"{n} ({EXPECTED[n][0]}): {support_here(n).evidence}" for n in missing)
+    return pytest.mark.skipif(bool(missing), reason=f"vLLM-CPU cannot {'serve' if serve else 'run'} on this CPU: {reasons}")
 
 
 # vLLM run in the test process (the matrix, in-process evals) sets VLLM_* variables of its own
@@ -178,7 +223,7 @@ def checkpoints(request, tmp_path_factory, embedded_model_dir) -> dict[str, Path
 
     class Lazy(dict):
         def __missing__(self, name: str) -> Path:
-            if name == Path(DEMO_RECIPE).stem:
+            if name == DEMO and runs_here(DEMO, serve=True):
                 self[name] = request.getfixturevalue("demo_run").ckpt
                 return self[name]
             self[name] = quantize_in_process(self.recipe(name), root / name)
@@ -233,10 +278,14 @@ FP8_RECIPES = {"fp8", "llmcompressor-fp8-dynamic"}
 FP8_PARITY = {"prompts": 1, "max_tokens": 4}
 
 
-def matrix_cells(names: list[str], in_make_test: set[str] | frozenset[str] = frozenset()) -> list:
+def matrix_cells(names: list[str], in_make_test: set[str] | frozenset[str] = frozenset(), serve: bool | None = None) -> list:
     """`names` as test parameters; those outside `in_make_test` are marked `matrix` (`make test-matrix`,
-    which CI runs after `make test`)."""
-    return [pytest.param(n, marks=() if n in in_make_test else pytest.mark.matrix) for n in names]
+    which CI runs after `make test`). `serve` False or True: each cell needs vLLM to run or serve its
+    recipe on this CPU (needs_vllm)."""
+    marks = {n: [] if n in in_make_test else [pytest.mark.matrix] for n in names}
+    for n in names if serve is not None else ():
+        marks[n].append(needs_vllm(n, serve=serve))
+    return [pytest.param(n, marks=marks[n]) for n in names]
 
 
 def make_keys(directory: Path, name: str) -> tuple[Path, Path]:
@@ -293,7 +342,9 @@ def demo_run(tmp_path_factory) -> DemoRun:
     limit, and served; stopped by SIGTERM once the server answered. Not started in the background
     beside other tests: tried, two processes of torch work on 2 cores slowed its quantize from
     ~65 s to 9 min 18 s (their OpenMP threads contend)."""
-    return DemoRun(tmp_path_factory.mktemp("demo") / f"out-{Path(DEMO_RECIPE).stem}")
+    if not runs_here(DEMO, serve=True):  # test_demo checks the refusal such a CPU gets instead
+        pytest.skip(f"vLLM-CPU cannot serve the demo's {EXPECTED[DEMO][0]} on this CPU: {support_here(DEMO).evidence}")
+    return DemoRun(tmp_path_factory.mktemp("demo") / f"out-{DEMO}")
 
 
 @pytest.fixture(scope="session")

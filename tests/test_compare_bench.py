@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import CACHE_DIR, EVAL_LIMIT, copy_checkpoint, run_qserve, run_qserve_in_process
+from conftest import CACHE_DIR, EVAL_LIMIT, copy_checkpoint, needs_vllm, run_qserve, run_qserve_in_process
 
 from qserve.checkpoint.manifest import EVAL_NAME
 from qserve.checkpoint.tensors import quantized_layer_bytes
@@ -24,6 +24,7 @@ def test_quantized_layers_shrink_as_the_scheme_says(checkpoints) -> None:
 
 
 @pytest.mark.slow
+@needs_vllm("w4a16-gptq", "w8a8-int8")
 def test_compare_shares_one_cached_baseline_and_writes_table_plot_json(checkpoints, tmp_path: Path) -> None:
     out = tmp_path / "cmp"
     # W4A16 rather than FP8: FP8 decodes at 0.11x on this CPU, and the decode measurement is the slow part.

@@ -11,7 +11,20 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import DATA_DIR, DEMO_LIMIT, DEMO_RECIPE, DEMO_TASKS, REPO, DemoRun, run_qserve
+from conftest import (
+    DATA_DIR,
+    DEMO,
+    DEMO_LIMIT,
+    DEMO_RECIPE,
+    DEMO_TASKS,
+    EXPECTED,
+    REPO,
+    DemoRun,
+    free_port,
+    run_qserve,
+    runs_here,
+    support_here,
+)
 
 from qserve.checkpoint.manifest import EVAL_NAME, read_manifest
 
@@ -46,6 +59,19 @@ def test_the_demo_passes_with_margin_and_serves(demo_run: DemoRun) -> None:
         f"{1 - look['level']:.2%}, so that all looks together pass a model at its allowance at most 5 % of the time"
     ) in demo_run.stdout
     assert re.fullmatch(r"serving out-w8a8-int8 at http://127\.0\.0\.1:\d+/v1", demo_run.stdout[-2])
+
+
+@pytest.mark.skipif(runs_here(DEMO, serve=True), reason="this CPU serves the demo's scheme: the test above runs the demo")
+def test_where_vllm_cannot_serve_the_demos_scheme_the_demo_says_so_before_any_work(tmp_path: Path) -> None:
+    """On such a CPU (an AVX2-only one for INT8) `make demo` ends at once, in one line naming the hardware."""
+    out = tmp_path / "out"
+    proc = run_qserve("run", DEMO_RECIPE, "--output", out, "--tasks", DEMO_TASKS, "--limit", DEMO_LIMIT, "--port", free_port())
+    claim = support_here(DEMO)
+    assert proc.returncode == 1 and not out.exists(), proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: {EXPECTED[DEMO][0]} cannot be served on this machine ({claim.evidence}); it needs {claim.needs}. "
+        "`qserve quantize` and `qserve eval` still run it"
+    )
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import quantize_in_process, run_qserve
+from conftest import needs_vllm, quantize_in_process, run_qserve
 
 from qserve.checkpoint.manifest import read_manifest
 from qserve.checkpoint.models import baseline_model
@@ -38,6 +38,7 @@ def _parity(
 
 
 @pytest.mark.slow
+@needs_vllm("w4a16-gptq")
 def test_w4a16_in_vllm_matches_transformers(checkpoints) -> None:
     result = _parity(checkpoints["w4a16-gptq"])
     assert result["status"] == "pass", result
@@ -46,6 +47,7 @@ def test_w4a16_in_vllm_matches_transformers(checkpoints) -> None:
 
 
 @pytest.mark.slow
+@needs_vllm("w4a16-gptq")
 def test_parity_flags_an_engine_setting_mismatch(checkpoints) -> None:
     # vLLM told a different RoPE base than the checkpoint's config: text still looks plausible,
     # but the log-probabilities no longer match what the checkpoint computes.
@@ -56,6 +58,7 @@ def test_parity_flags_an_engine_setting_mismatch(checkpoints) -> None:
 
 
 @pytest.mark.slow
+@needs_vllm("w8a8-int8")
 def test_activation_quantized_checkpoint_matches_transformers(checkpoints) -> None:
     # transformers emulates the INT8 activation quantization (compressed-tensors QDQ), but not
     # bit-exactly like vLLM's kernels: the looser, measured tolerance applies. (FP8's check shares
@@ -74,6 +77,7 @@ def test_activation_quantized_checkpoint_matches_transformers(checkpoints) -> No
 
 
 @pytest.mark.slow
+@needs_vllm("w8a8-int8")
 def test_scoring_gives_lm_eval_own_values(checkpoints) -> None:
     # qserve scores with prompt_logprobs=0 and reads greedy from vLLM's rank; lm-eval's own parser
     # reads the same requests' prompt_logprobs=1 (the top-1 beside the token). Same sums, same flags,

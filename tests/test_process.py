@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import QSERVE, REPO, free_port
+from conftest import QSERVE, REPO, free_port, needs_vllm
 
 from qserve.process import GRACE_SECONDS, group_members
 
@@ -174,6 +174,7 @@ def test_failed_first_generation_is_an_error_and_stops_the_server(tmp_path: Path
 
 
 @pytest.mark.slow
+@needs_vllm("w4a16-gptq", serve=True)
 def test_real_server_stopped_during_start_up_exits_within_the_bound(checkpoints) -> None:
     """The real `qserve serve` with vLLM, SIGTERM once vLLM's API server has started its engine (start-up
     under way, not yet ready): exit 143, no vLLM process left."""

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from conftest import QSERVE, REPO, copy_tokenizer, llama_config, run_qserve
+from conftest import QSERVE, REPO, copy_tokenizer, llama_config, needs_vllm, run_qserve
 
 from qserve.checkpoint.manifest import read_manifest
 from qserve.device.detect import native_bfloat16
@@ -225,6 +225,7 @@ def _quantize_in(group: Path, recipe: Path, model: Path, out: Path) -> subproces
 
 
 @pytest.mark.slow
+@needs_vllm("w4a16-gptq")  # each ends by running its W4A16 checkpoint in vLLM
 def test_a_model_larger_than_the_memory_limit_is_quantized_shard_by_shard(large_model, tmp_path: Path) -> None:
     model, weights = large_model
     assert weights > LIMIT_BYTES * 1.25  # 2.6 GiB of weights against a 2 GiB limit
@@ -310,6 +311,7 @@ def model_over_the_offload_limit(tmp_path_factory, embedded_model_dir: Path) -> 
 
 
 @pytest.mark.slow
+@needs_vllm("w4a16-gptq")  # each ends by running its W4A16 checkpoint in vLLM
 def test_a_calibrated_model_larger_than_the_memory_limit_is_offloaded_to_disk(
     model_over_the_offload_limit, tmp_path: Path
 ) -> None:
@@ -359,6 +361,11 @@ def _limit_hits(group: Path) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    not native_bfloat16(),
+    reason="without a bfloat16 kernel one process calibrates in float32 and the ranks in bfloat16: not the same "
+    "arithmetic in another order, which the bounds below are for (measured: distance ratio 0.980 at one layer)",
+)
 def test_two_process_gptq_matches_the_single_process_checkpoint(checkpoints, embedded_model_dir: Path, tmp_path: Path) -> None:
     """GPTQ in 2 gloo processes against the session's 1-process checkpoint of the same recipe."""
     import torch

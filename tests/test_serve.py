@@ -17,6 +17,7 @@ from conftest import (
     copy_checkpoint,
     free_port,
     make_keys,
+    needs_vllm,
     run_qserve,
 )
 
@@ -127,6 +128,7 @@ def test_every_route_that_runs_the_model_needs_the_key(server) -> None:
 
 
 @pytest.mark.slow
+@needs_vllm("w4a16-gptq", serve=True)  # else serve refuses the scheme first
 def test_serve_refuses_ungated_checkpoint(checkpoints, tmp_path: Path) -> None:
     ckpt = copy_checkpoint(checkpoints["w4a16-gptq"], tmp_path / "ckpt")
     (ckpt / "qserve_eval.json").unlink(missing_ok=True)

