@@ -16,9 +16,12 @@ from qserve.progress import step
 
 # compressed-tensors decompresses into bfloat16 weights (float32 activations then fail to multiply,
 # unless every weight is upcast: in_transformers.load_checked does, for float32); Quark's MXFP4 emulation
-# on CPU has no half-precision path; the baseline stays float32. On a CPU without a bfloat16 kernel
-# everything runs in float32 (detect.cpu_compute_dtype).
+# on CPU has no half-precision path; the baseline stays float32.
 DTYPES = {"compressed-tensors": "bfloat16", "quark": "float32", None: "float32"}
+# On a CPU without a bfloat16 kernel everything runs in float32 (detect.cpu_compute_dtype), but for the
+# compressed-tensors schemes whose weights it dequantizes in bfloat16 at every forward (measured: "expected
+# m1 and m2 to have the same dtype, but got: float != c10::BFloat16", 2026-11-27).
+DEQUANTIZED_IN_BFLOAT16 = {"MXFP4", "MXFP4A16", "MXFP8", "NVFP4", "NVFP4A16"}
 BATCH_SIZE = 8
 
 
@@ -27,11 +30,22 @@ def lm_kwargs(model_path: Path, quantization: str | None, trust_remote_code: boo
     return {
         "backend_kind": "transformers",
         "pretrained": str(model_path),
-        "dtype": cpu_compute_dtype(DTYPES.get(quantization, "float32")),
+        "dtype": emulation_dtype(model_path, quantization),
         "device": "cpu",
         "batch_size": BATCH_SIZE,
         "trust_remote_code": trust_remote_code,
     }
+
+
+def emulation_dtype(model_path: Path, quantization: str | None) -> str:
+    """The dtype transformers emulates the checkpoint (or the baseline, `quantization` None) in."""
+    from qserve.checkpoint.manifest import read_manifest
+    from qserve.checkpoint.schemes import parts_of
+
+    dtype = DTYPES.get(quantization, "float32")
+    if quantization == "compressed-tensors" and DEQUANTIZED_IN_BFLOAT16 & set(parts_of(read_manifest(model_path).scheme)):
+        return dtype
+    return cpu_compute_dtype(dtype)
 
 
 @contextmanager
