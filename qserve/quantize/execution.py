@@ -76,9 +76,8 @@ def held_bytes(recipe: Recipe, model_path: Path) -> int:
 
 def config_dtype(model_path: Path) -> str:
     """The dtype a checkpoint's config.json gives its weights (transformers wrote `torch_dtype`, now `dtype`)."""
-    path = (
-        Path(model_path) / "config.json"
-    )  # read here: architecture.model_config's module imports the backend, which imports this
+    # Read here: architecture.model_config's module imports the backend, which imports this one.
+    path = Path(model_path) / "config.json"
     config = json.loads(path.read_text()) if path.is_file() else {}
     config = config.get("text_config", config) | config
     return str(config.get("dtype") or config.get("torch_dtype") or "float32")
