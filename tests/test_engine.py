@@ -78,12 +78,14 @@ def test_activation_quantized_checkpoint_matches_transformers(checkpoints) -> No
 
 @pytest.mark.slow
 @needs_vllm("w8a8-int8")
-def test_scoring_gives_lm_eval_own_values(checkpoints) -> None:
-    # qserve scores with prompt_logprobs=0 and reads greedy from vLLM's rank; lm-eval's own parser
-    # reads the same requests' prompt_logprobs=1 (the top-1 beside the token). Same sums, same flags,
-    # on one continuation that is greedy and one that is not.
+def test_scoring_gives_lm_eval_own_values(checkpoints, monkeypatch) -> None:
+    # qserve scores with prompt_logprobs=0 and reads greedy from vLLM's rank, which its engines count
+    # with engine.count_at_least; lm-eval's own parser reads the same requests' prompt_logprobs=1 (the
+    # top-1 beside the token). Same sums, same flags, on one continuation that is greedy and one that is not.
     from vllm import SamplingParams, TokensPrompt
 
+    ranked, count = [], engine.count_at_least
+    monkeypatch.setattr(engine, "count_at_least", lambda x, values: ranked.append(len(x)) or count(x, values))
     ckpt = checkpoints["w8a8-int8"]
     with engine.open_engine(ckpt, read_manifest(ckpt).vllm_args, detect.detect_device(), ckpt.name) as lm:
         context = lm.tok_encode("The capital of France is")
@@ -98,6 +100,9 @@ def test_scoring_gives_lm_eval_own_values(checkpoints) -> None:
     expected = [own(c + x, o, len(c)) for (_, c, x), o in zip(requests, outputs)]
     assert [greedy for _, greedy in expected] == [True, False]
     assert ours == expected
+    # Every position after the first of both requests was ranked, by qserve's count (scoring, then the stock call).
+    scored = sum(len(c + x) - 1 for _, c, x in requests)
+    assert sum(ranked) == 2 * scored
 
 
 @pytest.fixture(scope="session")
@@ -153,3 +158,33 @@ def test_cpu_engines_inspect_a_model_class_in_this_process(monkeypatch, tmp_path
         info = llama.inspect_model_cls()
     assert info.architecture == "LlamaForCausalLM" and info.is_text_generation_model
     assert [p.name for p in tmp_path.iterdir()] == ["vllm-model_executor-models-llama-LlamaForCausalLM.json"]
+
+
+def test_ranks_counted_in_blocks_are_vllm_own_counts() -> None:
+    """count_at_least against vLLM's batched_count_greater_than run eagerly (its function under the
+    compile decorator): row counts around the 32-row blocks, ties at the maximum, -inf entries."""
+    import torch
+    from vllm.v1.sample import sampler
+
+    vllm_count = sampler.batched_count_greater_than._torchdynamo_orig_callable
+    gen = torch.Generator().manual_seed(0)
+    for rows in (1, 31, 32, 33, 100):
+        logits = torch.randint(-4, 5, (rows, 1000), generator=gen).float()  # integers: many ties
+        logits[:, ::7] = float("-inf")
+        logprobs = logits.log_softmax(-1)
+        tokens = torch.randint(0, 1000, (rows, 1), generator=gen)
+        values = logprobs.gather(-1, tokens)
+        ours = engine.count_at_least(logprobs, values)
+        assert ours.dtype == torch.int64 and torch.equal(ours, vllm_count(logprobs, values))
+        assert torch.equal(ours, torch.tensor([(row >= v).sum().item() for row, v in zip(logprobs, values)]))
+
+
+def test_ranks_are_counted_in_blocks_only_within_the_block() -> None:
+    """On a CPU vLLM's sampler ranks with count_at_least inside the block (test_scoring_gives_lm_eval_own_values
+    counts its calls in a real engine), and with its own compiled function again afterwards."""
+    from vllm.v1.sample import sampler
+
+    compiled = sampler.batched_count_greater_than
+    with engine.ranks_counted_in_blocks():
+        assert sampler.batched_count_greater_than is engine.count_at_least
+    assert sampler.batched_count_greater_than is compiled
