@@ -52,7 +52,7 @@ def warm_in_background(done: Path | None = None) -> None:
     """Start the compiling child unless `done` (default: this environment's marker) exists, bytecode
     is off, or this process started one already. The child ends when this process exits."""
     done = done or marker()
-    if done is None or done.exists() or sys.flags.dont_write_bytecode or _started:
+    if done is None or done.exists() or sys.dont_write_bytecode or _started:
         return
     child = subprocess.Popen(
         [sys.executable, "-m", __name__, str(os.getpid()), str(done)],
@@ -62,6 +62,20 @@ def warm_in_background(done: Path | None = None) -> None:
     )
     _started.append(child)
     atexit.register(_stop, child)
+
+
+def finish_before_timing(done: Path | None = None) -> None:
+    """Let this environment's compiling end before anything is timed: the child yields its core to the
+    command's threads but not the caches and memory bandwidth they share, and a fresh clone's first
+    benchmark runs would have it beside them. Waits for the child that holds the lock, else compiles
+    what is left here."""
+    done = done or marker()
+    if done is None or done.exists() or sys.dont_write_bytecode:
+        return
+    from qserve.progress import step
+
+    with step("compiling this environment's bytecode before timing (once per environment)"):
+        compile_all(done, sources(), wait=True)
 
 
 def _stop(child: subprocess.Popen) -> None:
@@ -115,19 +129,22 @@ def _requirements_of(dist: importlib.metadata.Distribution, extras: bool = False
     return [r.name for r in requirements if r.marker is None or any(r.marker.evaluate({"extra": e}) for e in wanted)]
 
 
-def compile_all(done: Path, files: Iterable[Path], parent: int | None = None) -> bool:
+def compile_all(done: Path, files: Iterable[Path], parent: int | None = None, wait: bool = False) -> bool:
     """Compile each of `files` that has no up-to-date .pyc, then write `done`. Returns False at once
-    when another process holds the lock, and stops (False) once `parent` is no longer this process's
-    parent (the command was killed without stopping us)."""
+    when another process holds the lock (with `wait`, waits for it, and returns True if that process
+    finished), and stops (False) once `parent` is no longer this process's parent (the command was
+    killed without stopping us)."""
     import compileall
     import fcntl
     import py_compile
 
     with open(done.with_name(done.name + ".lock"), "w") as lock:
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
         except BlockingIOError:
             return False
+        if done.exists():
+            return True
         for source in files:
             if parent is not None and os.getppid() != parent:
                 return False

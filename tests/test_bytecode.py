@@ -77,6 +77,37 @@ def test_compile_all_leaves_the_work_to_the_child_that_holds_the_lock(tmp_path: 
     assert not done.exists() and not Path(importlib.util.cache_from_source(str(source))).exists()
 
 
+def test_compile_all_waits_for_the_child_that_holds_the_lock_when_asked(tmp_path: Path) -> None:
+    """What a benchmark does before timing: it waits for the child (here a thread holding the lock,
+    which marks the environment done after 0.5 s) and then has nothing left to compile."""
+    import threading
+
+    source, done = tmp_path / "a.py", tmp_path / "done"
+    source.write_text("VALUE = 1\n")
+    held = open(tmp_path / "done.lock", "w")  # noqa: SIM115 (closed by the holder)
+    fcntl.flock(held, fcntl.LOCK_EX)
+
+    def child_finishes() -> None:
+        time.sleep(0.5)
+        done.touch()
+        held.close()
+
+    threading.Thread(target=child_finishes).start()
+    start = time.monotonic()
+    assert bytecode.compile_all(done, [source], wait=True) is True
+    assert time.monotonic() - start >= 0.5
+    assert not Path(importlib.util.cache_from_source(str(source))).exists()
+
+
+def test_finish_before_timing_compiles_what_is_left(tmp_path: Path, monkeypatch) -> None:
+    source, done = tmp_path / "a.py", tmp_path / "done"
+    source.write_text("VALUE = 1\n")
+    monkeypatch.setattr(bytecode, "sources", lambda: [source])
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)  # as an import honours it; make unsets PYTHONDONTWRITEBYTECODE
+    bytecode.finish_before_timing(done)
+    assert done.exists() and Path(importlib.util.cache_from_source(str(source))).exists()
+
+
 def test_compile_all_stops_when_its_command_is_gone(tmp_path: Path) -> None:
     source, done = tmp_path / "a.py", tmp_path / "done"
     source.write_text("VALUE = 1\n")

@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from qserve import bytecode
 from qserve.cli._common import (
     AcceptGateDifferenceOpt,
     ApiKeyFileOpt,
@@ -120,6 +121,7 @@ def bench(
       qserve bench --suite --publish docs      (what `make benchmarks` runs)
       qserve bench --eval-throughput --work-dir /tmp/bench
     """
+    bytecode.finish_before_timing()
     if eval_throughput:
         typer.echo(_eval_throughput(work_dir, data_dir, verbose, as_json))
         return
