@@ -74,10 +74,12 @@ def eval_throughput(w8a8_ckpt: Path, data_dir: Path, limit: int = LIMIT) -> dict
 
 def _warm_up(path: Path, args: VllmArgs, device: detect.Device, config: dict) -> None:
     """One untimed evaluation first: the task's dataset is converted and cached on first use, which
-    would otherwise be charged to whichever side runs first."""
+    would otherwise be charged to whichever side runs first. It runs lm-eval's own class, as the raw
+    side does, so that vLLM's compiled rank kernel, which only that side uses (qserve's engines count
+    ranks without it), is built before any timed run."""
     import lm_eval
 
-    with engine.open_engine(path, args, device, "the warm-up") as lm:
+    with engine.open_engine(path, args, device, "the warm-up", lm_class=engine.lm_eval_own_vllm_class()) as lm:
         lm_eval.simple_evaluate(model=lm, tasks=[config], limit=2, bootstrap_iters=0)
 
 
