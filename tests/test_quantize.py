@@ -442,12 +442,16 @@ model_path, texts_file, seq_len, recipe, out, calibration_dtype = sys.argv[1:7]
 texts, seq_len = json.load(open(texts_file)), int(seq_len)
 tokenizer = AutoTokenizer.from_pretrained(model_path)
 model = AutoModelForCausalLM.from_pretrained(model_path, dtype="auto")
-source = model.dtype
-model.to(getattr(torch, calibration_dtype))
+source, calibrated_in = model.dtype, getattr(torch, calibration_dtype)
+widened = calibrated_in != source  # a bfloat16 model on a CPU without a bfloat16 kernel: float32
+if widened:
+    model.to(calibrated_in)
 enc = tokenizer(texts, truncation=True, max_length=seq_len, add_special_tokens=False)
 oneshot(model=model, recipe=recipe, dataset=Dataset.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}),
         num_calibration_samples=len(texts), max_seq_length=seq_len, shuffle_calibration_samples=False, pipeline="sequential")
-model.to(source).save_pretrained(out, save_compressed=True)
+if widened:  # written back in the source's dtype; a model calibrated in it is saved as it is (its scales' own dtype)
+    model.to(source)
+model.save_pretrained(out, save_compressed=True)
 """
 
 
