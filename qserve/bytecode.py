@@ -156,7 +156,9 @@ def compile_all(done: Path, files: Iterable[Path], parent: int | None = None, wa
 
 
 if __name__ == "__main__":
+    from qserve import priority
+
     os.nice(19)  # only what the command running beside it leaves idle
-    if hasattr(os, "sched_setscheduler"):  # and preempted at once when one of its threads wakes
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    if priority.AVAILABLE:  # and preempted at once when one of its threads wakes
+        priority.go_idle()
     compile_all(Path(sys.argv[2]), sources(), parent=int(sys.argv[1]))

@@ -55,10 +55,12 @@ class ProcessGroup:
         stdout: IO[Any] | int | None = None,
         stderr: IO[Any] | int | None = subprocess.STDOUT,
         grace: float = GRACE_SECONDS,
+        started: subprocess.Popen | None = None,
     ) -> None:
         self.grace = grace
         self.signum: int | None = None
-        self.proc = subprocess.Popen(command, env=env, stdout=stdout, stderr=stderr, start_new_session=True)
+        # `started`: a child already running in a session of its own, taken over instead of `command`
+        self.proc = started or subprocess.Popen(command, env=env, stdout=stdout, stderr=stderr, start_new_session=True)
         self._guard, self._lifeline = _start_guard(self.proc.pid, grace)
         self._old = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
 

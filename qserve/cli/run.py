@@ -68,7 +68,7 @@ def run(
     from qserve.evaluate.gates import parse_cli_gates
     from qserve.evaluate.reports import format_table
     from qserve.serve.plan import Endpoint, check_before_work
-    from qserve.serve.server import ensure_port_free, serve
+    from qserve.serve.server import ensure_port_free, serve, warm_server
     from qserve.workflow import check_servable_here, checkpoint_for, gate_for
 
     gates = parse_cli_gates(gate or [])
@@ -80,10 +80,14 @@ def run(
         recipe, model=model, output=output, data_dir=data_dir, trust_remote_code=trust_remote_code, verbose=verbose
     )
     options = EvalOptions(tasks=split(tasks), limit=limit, gates=gates, data_dir=data_dir, check_parity=parity)
-    summary = gate_for(ckpt, options, verbose)
-    typer.echo(format_table(summary))
-    if summary["verdict"] != "pass":
-        typer.echo(f"error: {ckpt} did not pass its gate (verdict: {summary['verdict']}); not serving it", err=True)
-        raise typer.Exit(verdict_exit(summary))
-    vllm_logs_to_stderr()
-    serve(ckpt, Endpoint(host, port, **key_args), extra_args=list(ctx.args), ready_timeout=ready_timeout, verbose=verbose)
+    endpoint = Endpoint(host, port, **key_args)
+    # The server's interpreter imports vLLM on what the gate leaves idle; it is told what to serve
+    # only after the gate passed and serve's checks, and ends with this block otherwise.
+    with warm_server(ckpt, endpoint, list(ctx.args), verbose) as warm:
+        summary = gate_for(ckpt, options, verbose)
+        typer.echo(format_table(summary))
+        if summary["verdict"] != "pass":
+            typer.echo(f"error: {ckpt} did not pass its gate (verdict: {summary['verdict']}); not serving it", err=True)
+            raise typer.Exit(verdict_exit(summary))
+        vllm_logs_to_stderr()
+        serve(ckpt, endpoint, extra_args=list(ctx.args), ready_timeout=ready_timeout, verbose=verbose, warm=warm)

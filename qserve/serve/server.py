@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import ssl
 import subprocess
@@ -22,6 +23,7 @@ from qserve.checkpoint import signing
 from qserve.checkpoint.manifest import Manifest, read_manifest, verify_files
 from qserve.checkpoint.records import check_gate
 from qserve.checkpoint.snapshot import private_copy
+from qserve.device import detect
 from qserve.errors import QserveError
 from qserve.paths import open_log
 from qserve.process import GRACE_SECONDS, ProcessGroup
@@ -57,11 +59,13 @@ def serve(
     extra_args: list[str] | None = None,
     ready_timeout: float = READY_TIMEOUT,
     verbose: bool = False,
+    warm: WarmServer | None = None,
 ) -> NoReturn:
     """Start the server, wait until it answers a generation request, and run until it exits or we are signalled.
 
-    `extra_args`: vLLM options after `--`, from the allowlist (device/passthrough.py). Never
-    returns: a signal raises Stopped (after the server's process group is gone), and a server
+    `extra_args`: vLLM options after `--`, from the allowlist (device/passthrough.py). `warm`: an
+    interpreter `warm_server` started for this checkpoint, given its command line after the checks.
+    Never returns: a signal raises Stopped (after the server's process group is gone), and a server
     that exits by itself is a QserveError naming its log.
     """
     endpoint, checks = endpoint or Endpoint(), checks or Checks()
@@ -72,11 +76,84 @@ def serve(
     with private_copy(ckpt) as copy:
         checks.run_on_copy(copy, ckpt, manifest)
         p = plan(ckpt, manifest, device, endpoint, extra_args, loaded_from=copy)
-        with running(p, ready_timeout=ready_timeout, verbose=verbose) as server:
+        with running(p, ready_timeout=ready_timeout, verbose=verbose, warm=warm) as server:
             print(f"serving {p.model_name} at {p.url}/v1", flush=True)
             print(_curl(p, endpoint.key_source if endpoint.api_key else None), flush=True)
             code = server.wait()  # raises Stopped on SIGINT/SIGTERM, after the group is gone
     raise QserveError(f"vLLM server exited with code {code}; its log: {p.log}")
+
+
+@dataclass
+class WarmServer:
+    """vLLM's API server interpreter, started before the gate is decided so that its imports (8-9 s
+    of one core here) run on what the gate leaves idle (device/vllm_cli.py, `await_command`). It
+    learns what to serve only in `running`, after every check `serve` makes, and only for the plan
+    it was started for; until then it serves nothing and ends with qserve (its stdin is qserve's)."""
+
+    proc: subprocess.Popen
+    plan: ServePlan
+    sink: _log_sink
+    taken: bool = False
+
+    def take(self, p: ServePlan, command: list[str]) -> WarmServer | None:
+        """Itself, given `command`'s arguments, if it still waits and was started for `p`'s
+        environment, log and interpreter; else None, and it is ended."""
+        if self.proc.poll() is None and (self.plan.env, self.plan.log) == (p.env, p.log) and command[:3] == WARM_COMMAND[:3]:
+            self.proc.stdin.write((json.dumps(command[3:]) + "\n").encode())
+            self.proc.stdin.close()
+            self.taken = True
+            return self
+        self.close()
+        return None
+
+    def close(self) -> None:
+        """End it unless it was taken: end-of-file on its stdin ends it at once."""
+        if self.taken or self.proc.stdin.closed:
+            return
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.sink.__exit__(None, None, None)
+
+
+WARM_COMMAND = [sys.executable, "-m", "qserve.device.vllm_cli", "--await-command"]
+
+
+@contextmanager
+def warm_server(
+    ckpt: Path, endpoint: Endpoint, extra_args: list[str] | None = None, verbose: bool = False
+) -> Iterator[WarmServer | None]:
+    """For `qserve run`: within the block, a server interpreter for `ckpt` importing vLLM at idle
+    priority (None where Linux's SCHED_IDLE is not there, or the plan cannot be made yet: `serve`
+    then starts one the usual way). Ended on leaving the block unless it was served.
+
+    Measured: docs/serving.md, "`qserve run` starts the server's interpreter while the gate runs".
+    """
+    warm = _start_warm(ckpt, endpoint, extra_args, verbose)
+    try:
+        yield warm
+    finally:
+        if warm is not None:
+            warm.close()
+
+
+def _start_warm(ckpt: Path, endpoint: Endpoint, extra_args: list[str] | None, verbose: bool) -> WarmServer | None:
+    from qserve import priority
+
+    if not priority.AVAILABLE:
+        return None
+    try:
+        p = plan(ckpt, read_manifest(ckpt), detect.detect_device(), endpoint, extra_args)
+    except QserveError:
+        return None  # serve says why, after the gate
+    sink = _log_sink(p.log, verbose)
+    pipes = {"stdin": subprocess.PIPE, "stdout": sink.stdout, "stderr": subprocess.STDOUT}
+    proc = subprocess.Popen(WARM_COMMAND, env=p.env, start_new_session=True, **pipes)
+    sink.start(proc)
+    return WarmServer(proc, p, sink)
 
 
 @dataclass(frozen=True)
@@ -119,17 +196,22 @@ def running(
     ready_timeout: float = READY_TIMEOUT,
     verbose: bool = False,
     grace: float = GRACE_SECONDS,
+    warm: WarmServer | None = None,
 ) -> Iterator[ProcessGroup]:
     """Start the server (`command`, default the plan's), wait until it answers, stop its whole group on
-    exit (SIGTERM, then SIGKILL for what is left `grace` seconds later).
+    exit (SIGTERM, then SIGKILL for what is left `grace` seconds later). `warm`: an interpreter
+    waiting for this command line (`warm_server`); used when it was started for this plan.
 
     vLLM's output goes to the plan's log file (and to stderr as well with `verbose`).
     """
     host, _, port = p.url.partition("://")[2].rpartition(":")
     ensure_port_free(host, int(port))
-    with _log_sink(p.log, verbose) as sink:
-        server = ProcessGroup(command or p.command, env=p.env, stdout=sink.stdout, grace=grace)
-        sink.start(server.proc)
+    command = command or p.command
+    taken = warm.take(p, command) if warm else None
+    with taken.sink if taken else _log_sink(p.log, verbose) as sink:
+        server = ProcessGroup(command, env=p.env, stdout=sink.stdout, grace=grace, started=taken and taken.proc)
+        if taken is None:
+            sink.start(server.proc)
         try:
             with step(f"starting vLLM server for {p.model_name} on {p.url} (log: {p.log})"):
                 _wait_ready(server, p, ready_timeout)

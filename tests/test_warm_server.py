@@ -1,0 +1,106 @@
+"""`qserve run`'s server interpreter, started before the gate is decided (serve.server.warm_server):
+idle while it waits, normal once it serves, never told what to serve unless it was started for that
+plan, and gone with qserve."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import REPO, copy_checkpoint, free_port
+
+SERVING = "qserve: vLLM imported at idle priority while the gate ran; serving now"
+
+
+def _policies(pid: int) -> set[int]:
+    """The scheduling policy of every thread of `pid`."""
+    policies = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            policies.add(os.sched_getscheduler(int(task.name)))
+        except ProcessLookupError:
+            pass  # a thread that ended while we looked
+    return policies
+
+
+def _wait_for(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def test_a_warm_server_waits_idle_and_serves_at_normal_priority(passed_eval, tmp_path: Path) -> None:
+    """Every thread of the waiting interpreter is SCHED_IDLE; once `running` gives it the plan's command
+    line, the same process serves, and it and its engine core (forked after) have no idle thread left."""
+    from qserve.process import group_members
+    from qserve.serve.plan import Endpoint, load_servable, plan
+    from qserve.serve.server import running, warm_server
+
+    ckpt = copy_checkpoint(passed_eval[0], tmp_path / "out-w8a8-int8")
+    endpoint = Endpoint(port=free_port())
+    with warm_server(ckpt, endpoint) as warm:
+        pid = warm.proc.pid
+        _wait_for(lambda: len(os.listdir(f"/proc/{pid}/task")) > 1)
+        assert _policies(pid) == {os.SCHED_IDLE}  # its main thread and the one that reads stdin
+        manifest, device = load_servable(ckpt)
+        with running(plan(ckpt, manifest, device, endpoint), warm=warm) as group:  # returns once it answered
+            assert group.proc.pid == pid
+            members = group_members(pid)
+            assert len(members) == 2  # the API server and its engine core
+            assert set().union(*(_policies(m) for m in members)) == {os.SCHED_OTHER}
+    assert SERVING in (ckpt / "logs" / "serve.log").read_text()
+
+
+def test_a_warm_server_is_not_told_another_plans_command_line(passed_eval, tmp_path: Path) -> None:
+    """A plan whose environment differs from the one it was started with: it is ended, not used."""
+    from qserve.serve.plan import Endpoint
+    from qserve.serve.server import warm_server
+
+    ckpt = copy_checkpoint(passed_eval[0], tmp_path / "out-w8a8-int8")
+    with warm_server(ckpt, Endpoint(port=free_port())) as warm:
+        other = dataclasses.replace(warm.plan, env=warm.plan.env | {"OMP_NUM_THREADS": "1"})
+        assert warm.take(other, other.command) is None
+        assert warm.proc.returncode == 0
+    log = (ckpt / "logs" / "serve.log").read_text()
+    assert "qserve: no command line came (qserve ended, or the gate did not pass); nothing served from this interpreter" in log
+    assert SERVING not in log
+
+
+def test_a_warm_server_ends_with_a_killed_qserve(passed_eval, tmp_path: Path) -> None:
+    """qserve killed by SIGKILL while the gate runs (no handler, no `finally`): end-of-file on the
+    interpreter's stdin ends it at once, even in the middle of its imports."""
+    from qserve.process import group_members
+
+    ckpt = copy_checkpoint(passed_eval[0], tmp_path / "out-w8a8-int8")
+    code = (
+        "import os, signal\n"
+        "from pathlib import Path\n"
+        "from qserve.serve.plan import Endpoint\n"
+        "from qserve.serve.server import warm_server\n"
+        f"with warm_server(Path({str(ckpt)!r}), Endpoint(port={free_port()})) as warm:\n"
+        "    print(warm.proc.pid, flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert proc.returncode == -9, proc.stderr
+    pid = int(proc.stdout)
+    _wait_for(lambda: not group_members(pid), timeout=10)
+    assert group_members(pid) == []
+
+
+def test_a_user_who_may_not_leave_idle_priority_gets_no_warm_server(tmp_path: Path) -> None:
+    """Linux lets an unprivileged process leave SCHED_IDLE only within RLIMIT_NICE: such a user's
+    interpreter ends at once (and `serve` starts one the usual way) rather than serve at idle priority."""
+    env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG")} | {"HOME": str(tmp_path)}
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    command = [*nobody, sys.executable, "-m", "qserve.device.vllm_cli", "--await-command"]
+    proc = subprocess.run(command, input="", capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
+    assert (proc.returncode, proc.stdout) == (
+        0,
+        "qserve: this user may not bring a process back from idle priority (RLIMIT_NICE, CAP_SYS_NICE); "
+        "nothing served from this interpreter\n",
+    ), proc.stderr
