@@ -56,8 +56,10 @@ def run(
     calibration data and library versions whose files are intact is not quantized again, and an eval
     record bound to the current manifest that decided the same tasks, data, --limit, gates and parity
     on this device is not re-run. So a second `qserve run` goes straight to serving. A gate that
-    does not pass prints its table and exits 3 (fail) or 4 (inconclusive) without serving. Logs:
-    CKPT/logs/{quantize,eval,serve}.log. Extra vLLM server options go after `--`.
+    does not pass prints its table and exits 3 (fail) or 4 (inconclusive) without serving. While
+    the gate runs, the server's interpreter imports vLLM beside it at idle priority; it is told
+    what to serve only once the gate passed. Logs: CKPT/logs/{quantize,eval,serve}.log. Extra vLLM
+    server options go after `--`.
 
     \b
     Examples:
