@@ -334,6 +334,7 @@ class DemoRun:
             self.returncode = proc.wait(timeout=120)
             timer.cancel()
         self.stderr = stderr.read_text()
+        self.serve_log = (ckpt / "logs" / "serve.log").read_text()  # later tests' servers replace it
 
 
 @pytest.fixture(scope="session")

@@ -81,7 +81,7 @@ def test_the_terminal_shows_qserve_steps_and_the_logs_hold_the_libraries(demo_ru
     logs = demo_run.ckpt / "logs"
     assert "Compression lifecycle" in (logs / "quantize.log").read_text()  # llm-compressor's loguru
     assert "Processed prompts" in (logs / "eval.log").read_text()  # vLLM's tqdm
-    served = (logs / "serve.log").read_text()
+    served = demo_run.serve_log
     assert "Application startup complete" in served  # vLLM's API server
     # its interpreter imported vLLM while the gate ran (serve.server.warm_server), then served
     assert "qserve: vLLM imported at idle priority while the gate ran; serving now" in served
