@@ -84,7 +84,7 @@ def test_the_terminal_shows_qserve_steps_and_the_logs_hold_the_libraries(demo_ru
     served = demo_run.serve_log
     assert "Application startup complete" in served  # vLLM's API server
     # its interpreter imported vLLM while the gate ran (serve.server.warm_server), then served
-    assert "qserve: vLLM imported at idle priority while the gate ran; serving now" in served
+    assert "qserve: vLLM imported at idle priority while the gate ran; starting the server with qserve's command line" in served
     assert "(EngineCore pid=" in served and "(Worker pid=" not in served  # its worker runs in the engine core
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from conftest import REPO, copy_checkpoint, free_port
 
-SERVING = "qserve: vLLM imported at idle priority while the gate ran; serving now"
+SERVING = "qserve: vLLM imported at idle priority while the gate ran; starting the server with qserve's command line"
 
 
 def _policies(pid: int) -> set[int]:

@@ -58,7 +58,10 @@ def await_command() -> Callable[[], list[str]]:
             _end("no command line came (qserve ended, or the gate did not pass)")
         priority.leave_idle(policy)
         given.append(json.loads(line))
-        print("qserve: vLLM imported at idle priority while the gate ran; serving now", flush=True)
+        print(
+            "qserve: vLLM imported at idle priority while the gate ran; starting the server with qserve's command line",
+            flush=True,
+        )
         arrived.set()
 
     threading.Thread(target=read, daemon=True).start()
