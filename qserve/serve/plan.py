@@ -12,6 +12,9 @@ from qserve.device import detect, engine, flags, passthrough, support, vllm_cli
 from qserve.paths import log_file
 from qserve.serve.auth import MIDDLEWARE
 
+# vLLM's own command line, run by qserve's wrapper (device/vllm_cli.py); a plan's command starts with it.
+SERVER_INTERPRETER = [sys.executable, "-m", vllm_cli.__name__]
+
 
 @dataclass(frozen=True)
 class ServePlan:
@@ -94,7 +97,7 @@ def plan(
     planned = [str(model_dir)] + [t for flag, value in options for t in ([flag] if value is None else [flag, value])]
     changed = flags.check_serve_args(manifest, planned, tokens) if tokens else {}
     kept = [(f, v) for f, v in options if OVERRIDABLE.get(f) not in changed]
-    cmd = [sys.executable, "-m", "qserve.device.vllm_cli", "serve", str(model_dir)]
+    cmd = [*SERVER_INTERPRETER, "serve", str(model_dir)]
     cmd += [t for flag, value in kept for t in ([flag] if value is None else [flag, value])] + tokens
     names = changed.get("served_model_name") or [ckpt.resolve().name]
     scheme = "https" if changed.get("ssl_certfile") else "http"

@@ -23,12 +23,12 @@ from qserve.checkpoint import signing
 from qserve.checkpoint.manifest import Manifest, read_manifest, verify_files
 from qserve.checkpoint.records import check_gate
 from qserve.checkpoint.snapshot import private_copy
-from qserve.device import detect
+from qserve.device import detect, vllm_cli
 from qserve.errors import QserveError
 from qserve.paths import open_log
 from qserve.process import GRACE_SECONDS, ProcessGroup
 from qserve.progress import info, step
-from qserve.serve.plan import Endpoint, ServePlan, load_servable, plan
+from qserve.serve.plan import SERVER_INTERPRETER, Endpoint, ServePlan, load_servable, plan
 
 READY_TIMEOUT = 900.0
 
@@ -93,22 +93,25 @@ class WarmServer:
     proc: subprocess.Popen
     plan: ServePlan
     sink: _log_sink
-    taken: bool = False
 
     def take(self, p: ServePlan, command: list[str]) -> WarmServer | None:
         """Itself, given `command`'s arguments, if it still waits and was started for `p`'s
         environment, log and interpreter; else None, and it is ended."""
-        if self.proc.poll() is None and (self.plan.env, self.plan.log) == (p.env, p.log) and command[:3] == WARM_COMMAND[:3]:
-            self.proc.stdin.write((json.dumps(command[3:]) + "\n").encode())
-            self.proc.stdin.close()
-            self.taken = True
+        prefix = len(SERVER_INTERPRETER)
+        if (
+            self.proc.poll() is None
+            and (self.plan.env, self.plan.log) == (p.env, p.log)
+            and command[:prefix] == SERVER_INTERPRETER
+        ):
+            self.proc.stdin.write((json.dumps(command[prefix:]) + "\n").encode())
+            self.proc.stdin.close()  # closed: taken, and `close` leaves it to the server's group
             return self
         self.close()
         return None
 
     def close(self) -> None:
         """End it unless it was taken: end-of-file on its stdin ends it at once."""
-        if self.taken or self.proc.stdin.closed:
+        if self.proc.stdin.closed:
             return
         self.proc.stdin.close()
         try:
@@ -119,7 +122,7 @@ class WarmServer:
         self.sink.__exit__(None, None, None)
 
 
-WARM_COMMAND = [sys.executable, "-m", "qserve.device.vllm_cli", "--await-command"]
+WARM_COMMAND = [*SERVER_INTERPRETER, vllm_cli.AWAIT_COMMAND]
 
 
 @contextmanager
