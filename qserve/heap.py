@@ -43,9 +43,12 @@ def collection_paused() -> Iterator[None]:
             gc.enable()
 
 
-# glibc's mallopt parameters (malloc.h) and their defaults (mallopt(3)).
-M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
-DEFAULT_TRIM_THRESHOLD, DEFAULT_MMAP_MAX = 128 * 1024, 65536
+# glibc's mallopt parameters (malloc.h). Setting any of them ends glibc's dynamic mmap threshold for
+# the process (it rises to the largest block freed, up to 32 MiB on 64-bit, with twice that as trim
+# threshold: mallopt(3)); after the block the thresholds are left where that rule takes them at most,
+# not at their 128 KiB start, which would map (and fault in) every later allocation above 128 KiB.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
+MMAP_MAX_AFTER, MMAP_THRESHOLD_AFTER, TRIM_THRESHOLD_AFTER = 65536, 32 << 20, 64 << 20
 KEPT_TRIM_THRESHOLD = 2**31 - 1  # mallopt takes a C int
 
 
@@ -58,7 +61,8 @@ def allocations_kept() -> Iterator[None]:
     and 8.4 s of kernel time while scoring the demo's 100 gsm8k_ppl documents (W8A8, one 2-core AMD
     EPYC). In the block every allocation comes from the heap (M_MMAP_MAX 0) and the heap is not
     trimmed (M_TRIM_THRESHOLD): the same numbers, computed in pages already there (eval times in
-    docs/devices.md). At its end glibc's defaults return and malloc_trim gives the freed pages back.
+    docs/devices.md). At its end large allocations are mapped again (above 32 MiB, as glibc's own rule
+    ends up) and malloc_trim gives the freed pages back.
     Nothing changes without glibc, or when the user tuned malloc (MALLOC_*_ variables or glibc.malloc
     tunables): their settings win."""
     libc = _glibc_to_tune()
@@ -70,8 +74,9 @@ def allocations_kept() -> Iterator[None]:
     try:
         yield
     finally:
-        libc.mallopt(M_MMAP_MAX, DEFAULT_MMAP_MAX)
-        libc.mallopt(M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD)
+        libc.mallopt(M_MMAP_MAX, MMAP_MAX_AFTER)
+        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_AFTER)
+        libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_AFTER)
         libc.malloc_trim(0)
 
 
