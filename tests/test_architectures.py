@@ -408,6 +408,40 @@ def test_the_slice_quantizes_loads_agrees_and_serves(slice_cells, index) -> None
 
 
 @pytest.mark.slow
+def test_full_distributions_kept_as_arrays_are_vllms_own_lists(tiny_models) -> None:
+    """The matrix's engine call keeps vLLM's full-vocabulary rows as arrays (cells.rows_kept_as_arrays):
+    the same engine, asked the same way without it, gives Python lists holding the same values, and
+    the same cumulative log-probability."""
+    import math
+
+    import torch
+    from vllm import SamplingParams
+
+    from qserve.checkpoint.manifest import VllmArgs
+    from qserve.device.detect import detect_device
+    from qserve.device.engine import open_engine
+    from qserve.matrix import cells
+
+    model, vocab = tiny_models["gemma2"], 49152
+    args = VllmArgs(quantization=None, kv_cache_dtype="auto", dtype="bfloat16")
+    prompts = cells.PROMPTS[:3]
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=-1, flat_logprobs=True, detokenize=False)
+    with open_engine(model, args, detect_device(), "gemma2", overrides={"max_logprobs": -1}) as lm:
+        kept = cells.vllm_distributions(lm, vocab, prompts, max_tokens=6)
+        with cells.rows_kept_as_arrays():
+            cumulative = [o.outputs[0].cumulative_logprob for o in lm.model.generate(prompts, params, use_tqdm=False)]
+        own = lm.model.generate(prompts, params, use_tqdm=False)  # vLLM's own way: Python lists
+    for o, table, tokens, total in zip(own, kept.logprobs, kept.token_ids, cumulative, strict=True):
+        flat = o.outputs[0].logprobs
+        assert list(o.outputs[0].token_ids) == tokens and len(flat) == len(tokens) == 6
+        assert o.outputs[0].cumulative_logprob == total
+        expected = torch.full((len(flat), vocab), -math.inf)
+        for pos, (start, end) in enumerate(zip(flat.start_indices, flat.end_indices, strict=True)):
+            expected[pos, torch.tensor(flat.token_ids[start:end])] = torch.tensor(flat.logprobs[start:end])
+        assert torch.isfinite(expected).all() and torch.equal(table, expected)
+
+
+@pytest.mark.slow
 @needs_vllm("w4a16-awq", serve=True)
 def test_gemma_is_served_in_bfloat16_because_vllm_refuses_float16(slice_cells) -> None:
     assert slice_cells[0].metrics["dtype"] == "bfloat16"  # W4A16's usual float16, changed before the work
