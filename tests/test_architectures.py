@@ -415,17 +415,15 @@ def test_full_distributions_kept_as_arrays_are_vllms_own_lists(tiny_models) -> N
     import math
 
     import torch
-    from vllm import SamplingParams
 
     from qserve.checkpoint.manifest import VllmArgs
     from qserve.device.detect import detect_device
     from qserve.device.engine import open_engine
     from qserve.matrix import cells
 
-    model, vocab = tiny_models["gemma2"], 49152
-    args = VllmArgs(quantization=None, kv_cache_dtype="auto", dtype="bfloat16")
-    prompts = cells.PROMPTS[:3]
-    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=-1, flat_logprobs=True, detokenize=False)
+    model = tiny_models["gemma2"]
+    vocab, args = cells.vocab_size(model), VllmArgs(quantization=None, kv_cache_dtype="auto", dtype="bfloat16")
+    prompts, params = cells.PROMPTS[:3], cells.full_distribution_params(6)
     with open_engine(model, args, detect_device(), "gemma2", overrides={"max_logprobs": -1}) as lm:
         kept = cells.vllm_distributions(lm, vocab, prompts, max_tokens=6)
         with cells.rows_kept_as_arrays():

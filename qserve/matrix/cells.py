@@ -142,11 +142,9 @@ def vllm_distributions(lm: Any, vocab: int, prompts: list[str] = PROMPTS, max_to
     """Greedy generations from an engine opened by engine.open_engine (with max_logprobs=-1), and the
     full next-token distribution over the model's `vocab` at each generated position."""
     import torch
-    from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=-1, flat_logprobs=True, detokenize=False)
     with rows_kept_as_arrays():
-        outputs = lm.model.generate(prompts, params, use_tqdm=False)
+        outputs = lm.model.generate(prompts, full_distribution_params(max_tokens), use_tqdm=False)
     tables = []
     for o in outputs:
         rows = getattr(o.outputs[0].logprobs, "rows", [])
@@ -159,6 +157,18 @@ def vllm_distributions(lm: Any, vocab: int, prompts: list[str] = PROMPTS, max_to
     return Distributions([list(o.prompt_token_ids) for o in outputs], [list(o.outputs[0].token_ids) for o in outputs], tables)
 
 
+def full_distribution_params(max_tokens: int) -> Any:
+    """Greedy decoding with every log-probability of each generated position (flat, no detokenizing)."""
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=-1, flat_logprobs=True, detokenize=False)
+
+
+def vocab_size(model_path: Path) -> int:
+    config = json.loads((model_path / "config.json").read_text())
+    return (config.get("text_config") or config)["vocab_size"]
+
+
 @contextmanager
 def rows_kept_as_arrays() -> Iterator[None]:
     """For a request asking for every log-probability (logprobs=-1), vLLM's output processor (in this
@@ -166,8 +176,8 @@ def rows_kept_as_arrays() -> Iterator[None]:
     as `rows` (token ids, float32 log-probabilities), instead of turning them into Python lists: one
     `tolist` and one list append per vocabulary entry, 12.6 million for 8 prompts x 32 tokens x 49,152,
     took 11.4 of an engine call's 18.8 s on the tiny models, 5.3 s a call without them (cProfile, gemma2
-    W4A16, 2026-11-28; the make-test slice 131 -> 67 s). The values are
-    vLLM's own (a Python float of a float32 is exact), and so is the cumulative log-probability."""
+    W4A16, 2026-11-28; the make-test slice 131 -> 67 s). The values are vLLM's own (a Python float of a
+    float32 is exact), and so is the cumulative log-probability."""
     from unittest import mock
 
     from vllm.logprobs import FlatLogprobs
@@ -202,10 +212,8 @@ def engine_distributions(model_path: Path, args: Any, label: str) -> Distributio
     from qserve.device.detect import detect_device
     from qserve.device.engine import open_engine
 
-    config = json.loads((model_path / "config.json").read_text())
-    vocab = (config.get("text_config") or config)["vocab_size"]
     with open_engine(model_path, args, detect_device(), label, overrides={"max_logprobs": -1}) as lm:
-        return vllm_distributions(lm, vocab)
+        return vllm_distributions(lm, vocab_size(model_path))
 
 
 def chat_once(ckpt: Path, manifest: Any) -> dict[str, Any]:
