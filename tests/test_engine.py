@@ -38,6 +38,26 @@ def _parity(
 
 
 @pytest.mark.slow
+@needs_vllm("w8a8-int8")
+def test_an_engine_is_freed_by_one_full_collection_at_its_end(checkpoints) -> None:
+    # vLLM's shutdown runs two full collections over the heap it unfreezes (heap.one_collection_after
+    # makes them one): after the engine's block, its model and KV cache must be gone all the same.
+    import gc
+    import weakref
+
+    ckpt = checkpoints["w8a8-int8"]
+    full = []
+    with engine.open_engine(ckpt, read_manifest(ckpt).vllm_args, detect.detect_device(), ckpt.name) as lm:
+        runner = lm.model.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+        model, kv_cache = weakref.ref(runner.model), weakref.ref(runner.kv_caches[0])
+        del runner
+        gc.callbacks.append(counted := lambda phase, info: full.append(phase) if info["generation"] == 2 else None)
+    gc.callbacks.remove(counted)
+    assert full == ["start", "stop"]
+    assert model() is None and kv_cache() is None
+
+
+@pytest.mark.slow
 @needs_vllm("w4a16-gptq")
 def test_w4a16_in_vllm_matches_transformers(checkpoints) -> None:
     result = _parity(checkpoints["w4a16-gptq"])

