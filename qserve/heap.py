@@ -30,16 +30,18 @@ def frozen_heap() -> Iterator[None]:
 @contextmanager
 def one_collection_after() -> Iterator[None]:
     """The full collections a library runs in the block become one, at its end. vLLM's engine shutdown
-    runs two (one in its model runner's KV-cache cleanup, one in cleanup_dist_env_and_memory), each
-    over the whole heap it has just unfrozen: 0.6-0.8 s each in a process holding torch, transformers,
+    runs two (one in its model runner's KV-cache cleanup, one in cleanup_dist_env_and_memory after it
+    unfreezes the heap), 0.6-0.8 s each in a process holding torch, transformers,
     vLLM and lm-eval (764,000 objects, 2026-11-28). What either would free is still unreachable at the
     block's end, so one collection there frees the same: an engine's exit on the W8A8 demo checkpoint
     took 1.32 s with two, 0.84 s with one, its model and KV cache freed both ways (tests/test_engine.py)."""
     from unittest import mock
 
-    with mock.patch.object(gc, "collect", lambda generation=2: 0):
-        yield
-    gc.collect()
+    try:
+        with mock.patch.object(gc, "collect", lambda generation=2: 0):
+            yield
+    finally:
+        gc.collect()  # also when the block raised: what it had freed is collected all the same
 
 
 @contextmanager
