@@ -148,3 +148,76 @@ def _priority(pid: int) -> tuple[int, int]:
     """Nice value and scheduling policy, from /proc/PID/stat (fields 19 and 41)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return int(fields[16]), int(fields[38])
+
+
+def _package(root: Path, name: str) -> list[Path]:
+    """A package whose import loads a submodule: the files an import of `name` compiles."""
+    (root / name).mkdir()
+    files = [root / name / "__init__.py", root / name / "loaded.py"]
+    files[0].write_text("from . import loaded\n")
+    files[1].write_text("VALUE = 1\n")
+    return files
+
+
+def test_import_ahead_writes_the_bytecode_of_every_module_an_import_loads(tmp_path: Path, monkeypatch) -> None:
+    files = _package(tmp_path, "ahead_pkg")
+    (tmp_path / "ahead_broken.py").write_text("raise RuntimeError('fails to import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    for name in ("ahead_pkg", "ahead_pkg.loaded", "ahead_broken"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    # a module that fails to import is passed over: the step that needs it says why
+    assert bytecode.import_ahead(["ahead_broken", "ahead_pkg"], parent=os.getppid()) is True
+    assert [Path(importlib.util.cache_from_source(str(f))).exists() for f in files] == [True, True]
+    for name in ("ahead_pkg", "ahead_pkg.loaded"):
+        sys.modules.pop(name)
+
+
+def test_import_ahead_stops_when_its_command_is_gone(tmp_path: Path, monkeypatch) -> None:
+    files = _package(tmp_path, "gone_pkg")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert bytecode.import_ahead(["gone_pkg"], parent=os.getppid() + 1) is False
+    assert "gone_pkg" not in sys.modules and not Path(importlib.util.cache_from_source(str(files[0]))).exists()
+
+
+def test_each_module_imported_ahead_is_installed() -> None:
+    """Found on the path without being imported (importing vLLM's server here would take seconds): a
+    module renamed by a library's new release would otherwise only make the first run slower."""
+    from importlib.machinery import PathFinder
+
+    for name in bytecode.IMPORTS:
+        path = None
+        for part in name.split("."):
+            spec = PathFinder.find_spec(part, path)
+            assert spec is not None, name
+            path = spec.submodule_search_locations
+        assert Path(spec.origin).suffix == ".py", name
+
+
+def test_the_child_imports_then_goes_on_as_a_fresh_compiling_process(tmp_path: Path) -> None:
+    """A real child of a real parent: it imports what it was given (here a package of two modules,
+    both compiled by the import), then replaces itself, the same process, by `python -m
+    qserve.bytecode PARENT DONE`, which compiles the rest without holding what was imported."""
+    files = _package(tmp_path, "child_pkg")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPATH"] = str(tmp_path)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from pathlib import Path; from qserve import bytecode; "
+         "bytecode.warm_in_background(Path(sys.argv[1]), imports=['child_pkg']); "
+         "print(bytecode._started[0].pid, flush=True); input()",
+         str(tmp_path / "done")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    child = int(parent.stdout.readline())
+    compiling = [sys.executable, "-m", "qserve.bytecode", str(parent.pid), str(tmp_path / "done")]
+    deadline = time.monotonic() + 30
+    while _command_line(child) != compiling and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _command_line(child) == compiling and _priority(child) == (19, os.SCHED_IDLE)
+    assert [Path(importlib.util.cache_from_source(str(f))).exists() for f in files] == [True, True]
+    parent.communicate("\n", timeout=30)
+    assert parent.returncode == 0 and not Path(f"/proc/{child}").exists()
+
+
+def _command_line(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_text().split("\0")[:-1]
