@@ -11,9 +11,9 @@ SCHED_IDLE: it runs only on a core nothing else wants), that compiles the instal
 the command works, on the core that the command's single-threaded imports and steps leave idle. It
 first imports what `qserve run`'s later steps import (IMPORTS): an import compiles exactly the
 modules a step will load, of which there are far fewer than files in their distributions (the demo
-loads 7,126 of 30,737). In the demo that is done while the embedded model is converted. Then, as a
-fresh process (so as not to hold those libraries in memory), it compiles every other file of the
-installed libraries in the order `qserve run` needs them (STAGES: each library with the
+loads 7,126 of 30,737). In the demo most of that is done while the embedded model is converted.
+Then, as a fresh process (so as not to hold those libraries in memory), it compiles every other file
+of the installed libraries in the order `qserve run` needs them (STAGES: each library with the
 distributions it requires, then everything else qserve requires).
 
 Each .pyc is written as an import writes it (atomically, timestamp-checked). When the child has gone
