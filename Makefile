@@ -37,8 +37,7 @@ test-fast: setup
 	$(UV) run --locked --extra cpu pytest -ra -m "not slow"
 
 # Every architecture x every shipped scheme, run for real on tiny random-initialised models; regenerates
-# docs/architectures.md and its .json. 99 cells, 54 of them served: 44 minutes on 2 cores (measured
-# 2026-11-25, commit 24a8ada; a served cell's `qserve serve` start and chat request 19-34 s, median 22 s).
+# docs/architectures.md and its .json (the page gives the run's date, commit, machine and time).
 # `--resume` keeps what an interrupted run finished, and serves cells an earlier run did not.
 matrix: setup
 	$(UV) run --locked --extra cpu qserve matrix --out docs/architectures.md

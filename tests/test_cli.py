@@ -104,6 +104,18 @@ def test_the_benchmarks_page_is_made_from_the_recorded_results() -> None:
         assert f"Produced by `qserve bench --suite` on {m['time'][:10]}, commit {m['commit']}, {m['cpu']}" in text
 
 
+def test_the_architectures_page_is_made_from_its_recorded_run() -> None:
+    """docs/architectures.md is what `qserve matrix --from docs/architectures.json` makes, and it gives the
+    run's time as the recorded cells' times add up."""
+    from qserve.matrix.page import markdown
+
+    record = json.loads((REPO / "docs" / "architectures.json").read_text())
+    text = (REPO / "docs" / "architectures.md").read_text()
+    assert text == markdown(record["cells"], record["provenance"], record["served"]) + "\n", "stale: make matrix"
+    minutes = sum(t for cell in record["cells"] for t in cell["seconds"].values()) / 60
+    assert f"The {len(record['cells'])} cells took {minutes:.0f} minutes in all" in text
+
+
 def test_a_machine_type_on_hosts_of_two_speeds_keeps_two_records() -> None:
     """The record's file is named by the machine and its measured bfloat16 matmul rate as a power of two:
     the two hosts of one AMD EPYC CPUID (1,086 and 460 GFLOP/s measured) keep separate records, a host's

@@ -44,7 +44,8 @@ def matrix(
     """Build tiny random-initialised models of real architectures (Llama, Qwen 2 and 3, Mistral, Gemma 2
     and 3, Phi-3, OLMo 2, Granite, Qwen3-MoE, Mixtral), quantize each with the shipped recipes, compare
     vLLM with transformers on the same weights, and serve it: the cells that pass, and the message of each
-    that does not. 99 cells take about 45 minutes on 2 CPU cores, serving included (about 22 s per served cell).
+    that does not. The 99 cells take tens of minutes on 2 CPU cores, serving included (docs/architectures.md
+    gives the last run's time).
 
     \b
     Examples:

@@ -14,7 +14,7 @@ def markdown(results: list[dict[str, Any]], header: str, served: bool = True) ->
     columns = [c for c in COLUMNS if any(r["column"] == c for r in results)]
     archs = list(dict.fromkeys(r["architecture"] for r in results))
     by_key = {(r["architecture"], r["column"]): r for r in results}
-    lines = ["# Architectures x schemes, run for real", "", header, "", _legend(served), ""]
+    lines = ["# Architectures x schemes, run for real", "", header, "", _legend(served), "", _total(results), ""]
     commits = Counter(r.get("commit") or "unrecorded" for r in results)
     if len(commits) > 1:  # a resumed run: say which code ran which cells
         lines[3:3] = ["", "Cells by the commit that ran them: " + ", ".join(f"{c} {n}" for c, n in commits.most_common()) + "."]
@@ -53,6 +53,12 @@ def _legend(served: bool) -> str:
         + (" + serve" if served else "")
         + ", seconds."
     )
+
+
+def _total(results: list[dict[str, Any]]) -> str:
+    """The run's time, as the cells' own times add up (a resumed run's cells from each of its runs)."""
+    seconds = sum(sum(r["seconds"].values()) for r in results)
+    return f"The {len(results)} cells took {seconds / 60:.0f} minutes in all (the sum of the times below)."
 
 
 def _cell(cell: dict[str, Any], notes: list[str]) -> str:
