@@ -213,10 +213,11 @@ def _profile_markdown(rows: dict[str, Any]) -> list[str]:
     """Where vLLM alone's time goes, a line per dtype (recorded since the benchmark profiles)."""
     if not all("profile" in r for r in rows.values()):
         return []
+    named = len(next(iter(rows.values()))["profile"]["top"])
     lines = [
         "",
         f"Where vLLM alone's scoring time goes (one more run per dtype under torch.profiler, which slows it; "
-        f"each op's own CPU seconds, the {PROFILE_TOP} largest, then the other ops and the time outside any op):",
+        f"each op's own CPU seconds, the {named} largest, then the other ops and the time outside any op):",
         "",
         "| dtype | profiled wall s | largest ops, own seconds (calls) | other ops s | outside ops s |",
         "|---|---|---|---|---|",
