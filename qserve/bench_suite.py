@@ -156,8 +156,10 @@ def quantize_vs_oneshot(recipe: Path, work: Path, data_dir: Path) -> dict[str, A
         for side, cmd in (("raw", raw_cmd), ("qserve", qserve_cmd)):
             with step(f"quantize benchmark: {side}"):
                 runs[side].append(measure(cmd))
-    q = {k: min(r[k] for r in runs["qserve"]) for k in ("seconds", "peak_rss_mib")} | {"runs": QUANTIZE_ROUNDS}
-    r = {k: min(r[k] for r in runs["raw"]) for k in ("seconds", "peak_rss_mib")} | {"runs": QUANTIZE_ROUNDS}
+    q, r = (
+        {k: min(run[k] for run in runs[side]) for k in ("seconds", "peak_rss_mib")} | {"runs": QUANTIZE_ROUNDS}
+        for side in ("qserve", "raw")
+    )
     return {
         "quantize_qserve": q,
         "quantize_raw_oneshot": r,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -150,14 +151,16 @@ def _raw_lm_eval(path: Path, args: VllmArgs, device: detect.Device, label: str, 
         return time.perf_counter() - start
 
 
-def _vllm_alone(path: Path, args: VllmArgs, device: detect.Device, label: str, documents: list[str]) -> float:
+def _vllm_alone(path: Path, args: VllmArgs, device: detect.Device, label: str, documents: list[str], around: Any = None) -> float:
     """Seconds vLLM takes to score the documents' tokens (each after lm-eval's prefix token, as its
     rolling windows give them) in one `generate` call with qserve's scoring parameters: qserve's lm-eval
-    model class's own `_model_generate`, without lm-eval's requests, windows and sorting around it."""
+    model class's own `_model_generate`, without lm-eval's requests, windows and sorting around it.
+    `around` is a context manager the scoring runs in (the profiler)."""
     with engine.open_engine(path, args, device, f"vLLM alone, {label}") as lm:
         requests = [[lm.prefix_token_id, *lm.tok_encode(text)] for text in documents]
         start = time.perf_counter()
-        lm._model_generate(requests)
+        with around or nullcontext():
+            lm._model_generate(requests)
         return time.perf_counter() - start
 
 
@@ -167,12 +170,8 @@ def _vllm_alone_profile(path: Path, args: VllmArgs, device: detect.Device, label
     (Python in vLLM's scheduler and model runner)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with engine.open_engine(path, args, device, f"vLLM alone, {label}") as lm:
-        requests = [[lm.prefix_token_id, *lm.tok_encode(text)] for text in documents]
-        start = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CPU]) as profiler:
-            lm._model_generate(requests)
-        wall = time.perf_counter() - start
+    profiler = profile(activities=[ProfilerActivity.CPU])
+    wall = _vllm_alone(path, args, device, label, documents, around=profiler)
     ops = sorted(profiler.key_averages(), key=lambda op: op.self_cpu_time_total, reverse=True)
     in_ops = sum(op.self_cpu_time_total for op in ops) / 1e6
     top = [{"op": op.key, "seconds": round(op.self_cpu_time_total / 1e6, 3), "calls": op.count} for op in ops[:PROFILE_TOP]]
