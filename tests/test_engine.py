@@ -104,9 +104,8 @@ def test_scoring_gives_lm_eval_own_values(checkpoints, monkeypatch) -> None:
     # top-1 beside the token). Same sums, same flags, on one continuation that is greedy and one that is not.
     from vllm import SamplingParams, TokensPrompt
 
-    ranked, count, softmaxed, log_softmax = [], engine.count_at_least, [], engine.log_softmax_in_blocks
+    ranked, count = [], engine.count_at_least
     monkeypatch.setattr(engine, "count_at_least", lambda x, values: ranked.append(len(x)) or count(x, values))
-    monkeypatch.setattr(engine, "log_softmax_in_blocks", lambda logits: softmaxed.append(len(logits)) or log_softmax(logits))
     ckpt = checkpoints["w8a8-int8"]
     with engine.open_engine(ckpt, read_manifest(ckpt).vllm_args, detect.detect_device(), ckpt.name) as lm:
         context = lm.tok_encode("The capital of France is")
@@ -125,10 +124,9 @@ def test_scoring_gives_lm_eval_own_values(checkpoints, monkeypatch) -> None:
     expected = [own(c + x, o, len(c)) for (_, c, x), o in zip(requests, outputs)]
     assert [greedy for _, greedy in expected] == [True, False]
     assert ours == expected
-    # Every position after the first of both requests was scored and ranked by qserve's blocks (scoring,
-    # then the stock call).
+    # Every position after the first of both requests was ranked, by qserve's count (scoring, then the stock call).
     scored = sum(len(c + x) - 1 for _, c, x in requests)
-    assert sum(ranked) == sum(softmaxed) == 2 * scored
+    assert sum(ranked) == 2 * scored
 
 
 def _faults_of_a_freed_256_mib_tensor_made_again() -> int:
@@ -221,42 +219,15 @@ def test_ranks_counted_in_blocks_are_vllm_own_counts() -> None:
         assert torch.equal(ours, torch.tensor([(row >= v).sum().item() for row, v in zip(logprobs, values)]))
 
 
-def test_log_softmax_in_blocks_is_vllms_own_log_probabilities() -> None:
-    """log_softmax_in_blocks against vLLM's Sampler.compute_logprobs, bit for bit: bfloat16 and float16
-    logits of row counts around the 16-row blocks, -inf entries (masked tokens), float32 logits (vLLM's
-    own call) and rows of the demo model's vocabulary width."""
-    import torch
-    from vllm.v1.sample.sampler import Sampler
-
-    gen = torch.Generator().manual_seed(0)
-    bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
-    cases = [
-        (1, 1000, bf16),
-        (15, 1000, bf16),
-        (16, 1000, f16),
-        (17, 1000, bf16),
-        (100, 1000, bf16),
-        (33, 1000, f32),
-        (40, 49152, bf16),
-    ]
-    for rows, width, dtype in cases:
-        logits = (4 * torch.randn(rows, width, generator=gen)).to(dtype)
-        logits[:, ::7] = float("-inf")
-        ours, vllms = engine.log_softmax_in_blocks(logits), Sampler.compute_logprobs(logits)
-        assert ours.dtype == torch.float32 and torch.equal(ours, vllms)
-
-
-def test_scoring_is_in_blocks_only_within_the_block() -> None:
-    """On a CPU vLLM's sampler ranks with count_at_least and computes log-probabilities with
-    log_softmax_in_blocks inside the block (test_scoring_gives_lm_eval_own_values counts their calls in
-    a real engine), and with its own functions again afterwards."""
+def test_ranks_are_counted_in_blocks_only_within_the_block() -> None:
+    """On a CPU vLLM's sampler ranks with count_at_least inside the block (test_scoring_gives_lm_eval_own_values
+    counts its calls in a real engine), and with its own compiled function again afterwards."""
     from vllm.v1.sample import sampler
 
-    compiled, compute = sampler.batched_count_greater_than, sampler.Sampler.compute_logprobs
-    with engine.scored_in_blocks():
+    compiled = sampler.batched_count_greater_than
+    with engine.ranks_counted_in_blocks():
         assert sampler.batched_count_greater_than is engine.count_at_least
-        assert sampler.Sampler.compute_logprobs is engine.log_softmax_in_blocks
-    assert sampler.batched_count_greater_than is compiled and sampler.Sampler.compute_logprobs is compute
+    assert sampler.batched_count_greater_than is compiled
 
 
 def test_vllm_cpus_c_rms_norm_rounds_otherwise_than_the_norm_vllm_runs_here() -> None:

@@ -121,7 +121,6 @@ def lm_eval_vllm_class() -> type:
 
 
 RANK_ROWS = 32
-LOGPROB_ROWS = 16
 
 
 def count_at_least(x: Any, values: Any) -> Any:
@@ -137,35 +136,16 @@ def count_at_least(x: Any, values: Any) -> Any:
     return counts
 
 
-def log_softmax_in_blocks(logits: Any) -> Any:
-    """vLLM's `Sampler.compute_logprobs`, `logits.log_softmax(-1, dtype=float32)`, the same values, 16
-    rows at a time when the logits are not float32 already: each block's float32 copy stays in cache
-    for the log-softmax, instead of a whole step's copy (341 x 49152 floats, 67 MB) going out to
-    memory and back and being freed. Float32 logits need no copy and take vLLM's own call. Measured on
-    vLLM alone's scoring of 100 gsm8k_ppl documents (W8A8, AMD EPYC, 2 cores, 2026-11-29, 4 runs a
-    side in alternating order): 6.21-6.30 s against 6.33-6.55 s with vLLM's own function."""
-    import torch
-
-    if logits.dtype == torch.float32 or logits.dim() != 2:
-        return logits.log_softmax(dim=-1, dtype=torch.float32)
-    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-    for start in range(0, logits.shape[0], LOGPROB_ROWS):
-        rows = slice(start, start + LOGPROB_ROWS)
-        torch.log_softmax(logits[rows], -1, dtype=torch.float32, out=out[rows])
-    return out
-
-
 @contextmanager
-def scored_in_blocks() -> Iterator[None]:
-    """On a CPU, vLLM's sampler (in this process) computes log-probabilities with `log_softmax_in_blocks`
-    and ranks tokens (scored prompt tokens and sampled ones with log-probabilities) with `count_at_least`,
-    both bit for bit what its own functions give. Its `batched_count_greater_than` is a `torch.compile`
-    function even in eager mode: inductor builds it with g++ at the first ranking of each process, and
-    its cache key holds the virtualenv's path, so every new machine and fresh clone builds it again.
-    Measured on 2048 x 49152 log-probabilities (AMD EPYC, 2 cores, 2026-11-28): compiled 9.4 ms a call
-    after a first call of 9.4 s, in blocks 29.5 ms a call with no first-call cost, plain
-    `(x >= values).sum(-1)` 296 ms. The demo checkpoint's lm-eval and parity with an empty inductor
-    cache: 29.6 s compiled, 20.8 and 23.2 s in blocks, the same perplexity and parity figures."""
+def ranks_counted_in_blocks() -> Iterator[None]:
+    """On a CPU, vLLM's sampler (in this process) ranks tokens, scored prompt tokens and sampled ones
+    with log-probabilities, with `count_at_least` instead of its `batched_count_greater_than`, a
+    `torch.compile` function even in eager mode: inductor builds it with g++ at the first ranking of
+    each process, and its cache key holds the virtualenv's path, so every new machine and fresh clone
+    builds it again. Measured on 2048 x 49152 log-probabilities (AMD EPYC, 2 cores, 2026-11-28):
+    compiled 9.4 ms a call after a first call of 9.4 s, in blocks 29.5 ms a call with no first-call
+    cost, plain `(x >= values).sum(-1)` 296 ms. The demo checkpoint's lm-eval and parity with an empty
+    inductor cache: 29.6 s compiled, 20.8 and 23.2 s in blocks, the same perplexity and parity figures."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -175,10 +155,7 @@ def scored_in_blocks() -> Iterator[None]:
 
     from vllm.v1.sample import sampler
 
-    with (
-        mock.patch.object(sampler, "batched_count_greater_than", count_at_least),
-        mock.patch.object(sampler.Sampler, "compute_logprobs", staticmethod(log_softmax_in_blocks)),
-    ):
+    with mock.patch.object(sampler, "batched_count_greater_than", count_at_least):
         yield
 
 
@@ -195,12 +172,12 @@ def open_engine(
 
     `overrides` are extra vllm.LLM keyword arguments (e.g. hf_overrides), applied last; `lm_class`
     replaces qserve's lm-eval model class (the benchmark's raw side passes lm-eval's own, and then
-    vLLM computes and ranks log-probabilities and glibc manages the heap their own ways too).
+    vLLM ranks tokens and glibc manages the heap their own ways too).
     """
     configure_engine_env(device)
     cls = lm_class or lm_eval_vllm_class()
     own = lm_class is None and device.kind == "cpu"
-    scoring, heap = (scored_in_blocks(), allocations_kept()) if own else (nullcontext(), nullcontext())
+    ranks, heap = (ranks_counted_in_blocks(), allocations_kept()) if own else (nullcontext(), nullcontext())
     starting = (
         f"starting vLLM for {label} (dtype={args.dtype}, quantization={args.quantization}, kv_cache_dtype={args.kv_cache_dtype})"
     )
@@ -214,7 +191,7 @@ def open_engine(
         try:
             if args.dtype == "auto":
                 info(f"note: vLLM runs {label} in {resolved_dtype(lm)} (dtype auto)")
-            with scoring, heap:
+            with ranks, heap:
                 yield lm
         finally:
             _shutdown(lm, device)
