@@ -156,10 +156,8 @@ def quantize_vs_oneshot(recipe: Path, work: Path, data_dir: Path) -> dict[str, A
         for side, cmd in (("raw", raw_cmd), ("qserve", qserve_cmd)):
             with step(f"quantize benchmark: {side}"):
                 runs[side].append(measure(cmd))
-    q, r = (
-        {k: min(run[k] for run in runs[side]) for k in ("seconds", "peak_rss_mib")} | {"runs": QUANTIZE_ROUNDS}
-        for side in ("qserve", "raw")
-    )
+    least = {side: {k: min(run[k] for run in done) for k in ("seconds", "peak_rss_mib")} for side, done in runs.items()}
+    q, r = (least[side] | {"runs": QUANTIZE_ROUNDS} for side in ("qserve", "raw"))
     return {
         "quantize_qserve": q,
         "quantize_raw_oneshot": r,
