@@ -116,7 +116,7 @@ def test_eval_without_evidence_is_inconclusive(passed_eval, tmp_path: Path) -> N
     ppl = gates["gsm8k_ppl"]
     assert ppl["bounds"]["upper"] < ppl["bounds"]["allowed"] == pytest.approx(0.5) and ppl["items"] == EVAL_LIMIT
     assert ppl["items_needed"] >= min_items(summary["look"]["level"])
-    assert mc["test"].startswith("exact binomial on discordant items") and mc["items_needed"] > EVAL_LIMIT
+    assert mc["test"].startswith("exact unconditional score test on discordant items") and mc["items_needed"] > EVAL_LIMIT
     # ... and is not served.
     proc = run_qserve("serve", ckpt, "--port", str(free_port()))
     assert proc.returncode == 1

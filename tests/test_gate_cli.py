@@ -79,7 +79,7 @@ def test_gate_on_0_1_items_reports_flips_and_is_inconclusive_when_too_close(tmp_
     assert proc.returncode == EXIT_GATE_INCONCLUSIVE, proc.stderr
     (gate,) = json.loads(proc.stdout)["gates"]
     assert gate["flips"] == {"lost": 4, "gained": 1}
-    assert gate["test"] == "exact binomial on discordant items (4 lost, 1 gained of 120)"
+    assert gate["test"] == "exact unconditional score test on discordant items (4 lost, 1 gained of 120)"
     assert gate["reason"].startswith("degradation 0.025 vs allowed 0.03: too close to call")
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from qserve.checkpoint.spending import min_items
-from qserve.evaluate import levels, looks, stats
+from qserve.evaluate import levels, looks, paired_binary, stats
 
 DRAWS = 2000
 
@@ -25,25 +25,77 @@ def rows() -> list[dict]:
     return levels.simulate(DRAWS)
 
 
-def test_the_simulation_covers_every_bound_shape_and_n(rows) -> None:
+@pytest.fixture(scope="module")
+def binary_rows() -> list[dict]:
+    return levels.simulate_binary(DRAWS)
+
+
+def test_the_simulation_covers_every_bound_shape_and_n(rows, binary_rows) -> None:
     cells = {(r["bound"], r["shape"], r["n"]) for r in rows}
-    assert len(cells) == len(rows) == (2 * len(levels.SHAPES) + len(levels.BINARY_SHAPES)) * len(levels.SIZES)
-    assert {2, 3, 5, 10, 20, 50, 100, 200} <= set(levels.SIZES) and len(levels.SHAPES) >= 6
+    assert len(cells) == len(rows) == 2 * len(levels.SHAPES) * len(levels.SIZES)
+    assert {2, 3, 5, 10, 20, 50, 100, 200} <= set(levels.SIZES) and len(levels.SHAPES) >= 8
+    grid = {(r["n"], r["allowance"], r["gained"]) for r in binary_rows}
+    assert len(grid) == len(binary_rows) == 7 * 4 * 6
+    assert {r["n"] for r in binary_rows} >= {50, 5000} and {r["allowance"] for r in binary_rows} >= {0.01, 0.10}
+    assert {r["gained"] for r in binary_rows} >= {0.0, 0.40}
 
 
-def test_no_bound_passes_a_model_at_its_allowance_more_than_5_percent(rows) -> None:
-    too_often = [r for r in rows if r["false_pass"] > levels.limit(DRAWS)]
-    assert too_often == [], f"false-pass above {levels.limit(DRAWS):.2%}: {too_often}"
-    assert levels.limit(DRAWS) == pytest.approx(0.05 + 3 * math.sqrt(0.05 * 0.95 / DRAWS))
-
-
-def test_a_first_look_keeps_its_own_level_and_uses_it(rows) -> None:
-    """A first look spends 6/pi^2 of the 5 % (3.04 %): its false-pass stays within that, and some cell
-    comes near it (the level is used, not wasted)."""
+def test_a_first_look_keeps_its_own_level_and_uses_it(rows, binary_rows) -> None:
+    """A first look spends 6/pi^2 of the 5 % (3.04 %): every bound's false-pass stays within that
+    (3 Monte-Carlo SE), 0/1 gates over n 50-5,000, flips 0-40 % and allowances 1-10 points included,
+    and the 0/1 test uses its level (it decides, rather than keeping the level by never passing)."""
     level = looks.level(1)
-    assert level == pytest.approx(0.05 * 6 / math.pi**2) and {r["level"] for r in rows} == {level}
-    assert [r for r in rows if r["false_pass"] > levels.limit(DRAWS, level)] == []
+    assert level == pytest.approx(0.05 * 6 / math.pi**2) and {r["level"] for r in rows + binary_rows} == {level}
+    too_often = [r for r in rows + binary_rows if r["false_pass"] > levels.limit(DRAWS, level)]
+    assert too_often == [], f"false-pass above {levels.limit(DRAWS, level):.2%}: {too_often}"
+    assert levels.limit(DRAWS) == pytest.approx(0.05 + 3 * math.sqrt(0.05 * 0.95 / DRAWS))
     assert max(r["false_pass"] for r in rows) > level / 2
+    assert np.mean([r["false_pass"] for r in binary_rows if r["n"] >= 500]) > 0.8 * level
+
+
+def test_the_0_1_gate_passes_good_models_at_the_n_users_run(binary_rows) -> None:
+    """No true loss, 5 % of items flipping each way: all of GSM8K's test set decides at 2 points most
+    of the time, 5,000 items decide at 1 point."""
+    cell = {(r["n"], r["allowance"], r["gained"]): r["power"] for r in binary_rows}
+    assert cell[(1000, 0.02, 0.05)] > 0.5 and cell[(5000, 0.01, 0.05)] > 0.5 and cell[(500, 0.05, 0.05)] > 0.9
+
+
+def test_an_allowance_relative_to_the_measured_baseline_keeps_the_level() -> None:
+    """min_recovery's allowance is a share of the baseline's measured accuracy, which is noisy and
+    correlated with the items lost (a lost item is one the baseline got right). Simulated as the gate
+    computes it: the level holds."""
+    rng = np.random.default_rng(7)
+    draws, level = 4000, looks.level(1)
+    for n, accuracy, flip in ((100, 0.5, 0.05), (300, 0.3, 0.05), (300, 0.8, 0.15)):
+        delta = 0.05 * accuracy  # min_recovery 0.95 at the true accuracy
+        right_right = accuracy - flip - delta
+        counts = rng.multinomial(n, [right_right, flip + delta, flip, 1 - right_right - 2 * flip - delta], size=draws)
+        measured = 0.05 * (counts[:, 0] + counts[:, 1]) / n
+        passed = [
+            bool(paired_binary.passes(lost, gained, n, allowance, level))
+            for lost, gained, allowance in zip(counts[:, 1], counts[:, 2], measured)
+        ]
+        assert np.mean(passed) <= levels.limit(draws, level), (n, accuracy, flip)
+
+
+def test_several_tasks_pass_only_together_which_keeps_the_level_without_a_correction() -> None:
+    """The verdict passes only when every task passes (intersection-union): a model at the allowance on
+    one task passes the verdict no more often than that task's own gate, however good the others are."""
+    rng = np.random.default_rng(3)
+    draws, level, n, delta = 4000, looks.level(1), 500, 0.05
+    bad = rng.multinomial(n, [0.10 + delta, 0.10, 0.80 - delta], size=draws)
+    good = rng.multinomial(n, [0.02, 0.02, 0.96], size=draws)
+    at_allowance = paired_binary.passes(bad[:, 0], bad[:, 1], n, delta, level)
+    verdict = at_allowance & paired_binary.passes(good[:, 0], good[:, 1], n, delta, level)
+    assert np.mean(verdict) <= np.mean(at_allowance) <= levels.limit(draws, level)
+    assert np.mean(paired_binary.passes(good[:, 0], good[:, 1], n, delta, level)) > 0.95
+
+
+def test_pareto_tails_at_larger_n_are_outside_the_guarantee_as_the_page_says() -> None:
+    """The t bound's size rules do not hold for Pareto-tailed losses from about 1,000 items: the
+    page and README say so. This fails when a rule that covers them lands (then widen the claim)."""
+    tails = levels.tail_rows(DRAWS)
+    assert max(r["false_pass"] for r in tails) > levels.limit(DRAWS, looks.level(1))
 
 
 def test_the_looks_spend_at_most_5_percent_in_all() -> None:
@@ -84,12 +136,3 @@ def test_a_plain_t_bound_without_the_size_rules_would_fail_this_test() -> None:
     estimate, terms = stats.ratio_terms(-2 * words, words, -2 * words - loss, words)
     plain = np.mean(stats.linearized_t(estimate, terms, looks.level(1))["upper"] < levels.ALLOWANCE)
     assert plain > 0.25
-
-
-def test_the_exact_binomial_bound_matches_scipy() -> None:
-    from scipy.stats import binomtest
-
-    lo, hi = stats.clopper_pearson(np.array([0, 3, 10]), 10)
-    for k, a, b in zip((0, 3, 10), lo, hi):
-        ci = binomtest(k, 10).proportion_ci(0.95, "exact")
-        assert (a, b) == (pytest.approx(ci.low, abs=1e-12), pytest.approx(ci.high, abs=1e-12))

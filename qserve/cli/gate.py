@@ -59,18 +59,21 @@ def gate_levels(
         Path | None, typer.Option("--out", "-o", help="Write the Markdown page here (e.g. docs/gate-levels.md).")
     ] = None,
 ) -> None:
-    """Print how often each gate bound passes a model at exactly its allowance (false pass) and at half
-    of it (power), by n and by the shape of per-item losses: the table to choose --limit from.
+    """Print how often each gate passes a model at exactly its allowance (false pass) and a good model
+    (power), by n, by allowance and flip rate for 0/1 tasks, and by the shape of per-item losses for
+    perplexities: the tables to choose --limit from before spending the compute.
 
-    Seeded simulation through qserve's own bounds (a few seconds); tests/test_gate_levels.py asserts it.
+    Seeded simulation through qserve's own bounds (about a minute); tests/test_gate_levels.py asserts it.
 
     \b
     Example:
       qserve gate-levels --out docs/gate-levels.md
     """
-    from qserve.evaluate.levels import markdown, provenance, simulate
+    from qserve.evaluate.levels import markdown, provenance, simulate, simulate_binary, tail_rows
+    from qserve.progress import step
 
-    page = markdown(simulate(draws), provenance(draws))
+    with step("simulating the gate's bounds"):
+        page = markdown(simulate(draws), simulate_binary(draws), tail_rows(draws), provenance(draws))
     if out is not None:
         from qserve.checkpoint.records import write_text
 

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from qserve.checkpoint.policy import CRITERIA, DEFAULT_MIN_RECOVERY, GateSpec, allowed_degradation, normalize  # noqa: F401
 from qserve.errors import QserveError
+from qserve.evaluate import paired_binary
 
 
 def parse_cli_gates(values: list[str]) -> dict[str, list[GateSpec]]:
@@ -85,6 +86,7 @@ class Comparison:
     log_scale: bool = False  # perplexities: bounds are on log(quantized/baseline)
     non_finite: bool = False  # some item scored NaN or infinity
     flips: dict[str, int] | None = None  # 0/1 metrics: items the quantized model lost and gained
+    level: float = 0.05  # the one-sided level the bounds are made at (looks.py)
 
     @property
     def degradation(self) -> float:
@@ -138,6 +140,8 @@ def recovery(baseline: float, quantized: float, higher_is_better: bool) -> float
 
 def decide(task: str, spec: GateSpec, cmp: Comparison) -> Gate:
     allowed = allowed_degradation(spec, cmp.baseline, cmp.higher_is_better)
+    if cmp.flips is not None and allowed is not None and not cmp.constant:
+        cmp.bounds = binary_bounds(cmp.flips["lost"], cmp.flips["gained"], cmp.items or 0, allowed, cmp.level)
     status, reason, needed = _status(allowed, cmp)
     return Gate(
         task=task,
@@ -161,6 +165,14 @@ def decide(task: str, spec: GateSpec, cmp: Comparison) -> Gate:
         bounds=_bounds_record(cmp, allowed),
         flips=cmp.flips,
     )
+
+
+def binary_bounds(lost: int, gained: int, n: int, allowed: float, level: float) -> Bounds:
+    """0/1 items: the exact score test's bounds, exact at the allowance (paired_binary.py)."""
+    delta = min(allowed, 1 - 1e-9)  # a 0/1 score cannot drop by more than 1: a larger allowance is 1
+    lower, upper = paired_binary.bounds(lost, gained, n, delta, level)
+    method = f"exact unconditional score test on discordant items ({lost} lost, {gained} gained of {n})"
+    return Bounds(lower, upper, method, n, discordant=(lost, gained), level=level)
 
 
 def _bounds_record(cmp: Comparison, allowed: float | None) -> dict[str, float | str | int] | None:
@@ -213,6 +225,8 @@ def _status(allowed: float | None, cmp: Comparison) -> tuple[str, str, int | Non
         return "pass", f"{within}, clear of noise: degradation {band}", None
     needed = items_needed(cmp, deg, allowed)
     more = f"about {needed} items would decide" if needed else "more items may not decide it"
+    if needed and b.discordant is not None:
+        more = f"about {needed} items would pass 4 times in 5 if these flip rates hold"
     if deg > allowed:
         return "inconclusive", f"{within}: exceeded, but within noise {band}; {more} (--limit)", needed
     if b.discordant == (0, 0):
@@ -247,9 +261,11 @@ def items_needed(cmp: Comparison, deg: float, allowed: float) -> int | None:
     b = cmp.bounds
     if b is None or not (math.isfinite(deg) and math.isfinite(allowed)):
         return None
-    if b.discordant == (0, 0):
-        # No item differed: the exact bound is 1 - (level/2)^(1/n), below `allowed` from this n on.
-        return math.floor(math.log(b.level / 2) / math.log1p(-allowed)) + 1 if 0 < allowed < 1 else None
+    if b.discordant is not None:
+        # 0/1 items: the n at which the score test passes 80 % of the time if the observed flip rates hold.
+        lost, gained = (k / b.items for k in b.discordant)
+        need = paired_binary.items_for_power(lost, gained, min(allowed, 1 - 1e-9), b.level)
+        return max(need, b.items + 1) if need is not None else None
     gap = abs(deg - allowed)
     half = (b.upper - b.lower) / 2
     if gap == 0 or half <= 0 or not math.isfinite(half):

@@ -4,9 +4,9 @@ Both models answer the same items, so the difference is judged per item (paired)
 passes only on a one-sided 95 % upper bound of the degradation that keeps its level at the n used;
 tests/test_gate_levels.py proves each bound by simulation (`qserve gate-levels` prints the table).
 
-- 0/1 items (exact_match, acc, acc_norm): exact Clopper-Pearson bounds on the rate of items the
-  quantized model lost and on the rate it gained, combined by Bonferroni (2.5 % each side). Only
-  the discordant items move them, and they hold at any n, zero discordant items included.
+- 0/1 items (exact_match, acc, acc_norm): the exact unconditional score test on the counts of items
+  the quantized model lost and gained (paired_binary.py), decided at the gate's allowance. Only the
+  discordant items move it, and it holds its level at any n, zero discordant items included.
 - corpus-level metrics (word/byte perplexity, bits per byte: a ratio of sums over documents) and
   other per-item means: a Student t bound on the estimate's linearized per-document terms (the
   delta method for a ratio estimator, Cochran, Sampling Techniques, 1977, 6.4; for a mean the terms
@@ -97,44 +97,17 @@ def compare(
     # Degradation per item, in the metric's units: positive where the quantized model did worse.
     d = [(x - y) if higher_is_better else (y - x) for x, y in zip(b, q)]
     cmp.paired_stderr = _sd(d) / math.sqrt(len(d)) if len(d) >= 2 else None
-    binary = all(v in (0.0, 1.0) for v in b + q)
-    cmp.bounds = exact_binary_bounds(d, alpha) if binary else mean_bounds(d, alpha)
-    if binary:
+    cmp.level = alpha
+    if all(v in (0.0, 1.0) for v in b + q):
+        # The exact test is decided at the allowance (gates.decide), which the comparison does not know.
         cmp.flips = {"lost": d.count(1.0), "gained": d.count(-1.0)}
+    else:
+        cmp.bounds = mean_bounds(d, alpha)
     return cmp
 
 
 def _finite(v: Any) -> bool:
     return all(math.isfinite(x) for x in v) if isinstance(v, list) else math.isfinite(v)
-
-
-def exact_binary_bounds(d: list[float], alpha: float = ONE_SIDED) -> Bounds:
-    """Bounds on mean(d) for d in {-1, 0, 1} (lost, tied, gained per item).
-
-    The degradation is p_lost - p_gained. With exact one-sided 97.5 % Clopper-Pearson bounds on
-    each rate, [L(lost) - U(gained), U(lost) - L(gained)] holds with at least 95 % confidence each
-    side (Bonferroni), at any n; at level `alpha`, each rate's bound takes alpha / 2.
-    """
-    n = len(d)
-    lost, gained = d.count(1.0), d.count(-1.0)
-    (lo_lost, hi_lost), (lo_gain, hi_gain) = clopper_pearson(lost, n, alpha / 2), clopper_pearson(gained, n, alpha / 2)
-    method = f"exact binomial on discordant items ({lost} lost, {gained} gained of {n})"
-    bounds = Bounds(float(lo_lost - hi_gain), float(hi_lost - lo_gain), method, n, discordant=(lost, gained))
-    bounds.level = alpha
-    return bounds
-
-
-def clopper_pearson(k, n: int, alpha: float = ONE_SIDED / 2):
-    """Exact bounds on a binomial rate (k: a count or an array of counts): each misses the true
-    rate with probability at most `alpha`."""
-    import numpy as np
-    from scipy.stats import beta
-
-    k = np.asarray(k, dtype=float)
-    with np.errstate(invalid="ignore"):
-        lo = np.where(k == 0, 0.0, beta.ppf(alpha, k, n - k + 1))
-        hi = np.where(k == n, 1.0, beta.ppf(1 - alpha, k + 1, n - k))
-    return lo, hi
 
 
 def mean_bounds(d: list[float], alpha: float = ONE_SIDED) -> Bounds | None:
