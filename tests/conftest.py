@@ -461,6 +461,7 @@ def gate_record(task: str = "gsm8k_ppl", items: int = 100, criteria: dict | None
         "reason": "r",
         "items": items,
         "signal": True,
+        "headline": True,
     } | kw
 
 

@@ -96,4 +96,86 @@ def test_gate_refuses_runs_on_different_items_and_runs_without_samples(tmp_path:
     samples.unlink()
     proc = run_qserve_in_process("gate", b, q, "--tasks", "ppl_task")
     assert proc.returncode == 1
-    assert proc.stderr.strip() == f"error: {samples.parent} has no samples_ppl_task_*.jsonl: run lm-eval with --log_samples"
+    assert proc.stderr.strip() == (
+        f"error: {samples.parent} has no samples_ppl_task_2026-11-24T10-00-00.jsonl "
+        "(the samples of results_2026-11-24T10-00-00.json): run lm-eval with --log_samples"
+    )
+
+
+def _results(run: Path) -> Path:
+    return next(run.rglob("results_*.json"))
+
+
+def _edit(path: Path, **sections) -> None:
+    raw = json.loads(path.read_text())
+    raw.update(sections)
+    path.write_text(json.dumps(raw))
+
+
+def test_a_task_reads_its_own_samples_not_those_of_a_task_whose_name_extends_it(tmp_path: Path) -> None:
+    b, q, *_ = _pair(tmp_path)
+    for run in (b, q):  # qa_task_cot: every item right, in a file the old glob samples_qa_task_*.jsonl picked
+        folder = _results(run).parent
+        lines = [{"doc_id": i, "filter": "strict-match", "exact_match": 1.0} for i in range(120)]
+        (folder / "samples_qa_task_cot_2026-11-24T10-00-00.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    proc = run_qserve_in_process("gate", b, q, "--tasks", "qa_task", "--json")
+    (gate,) = json.loads(proc.stdout)["gates"]
+    assert gate["flips"] == {"lost": 4, "gained": 1} and gate["items"] == 120
+
+
+def test_gate_refuses_runs_that_asked_another_question(tmp_path: Path) -> None:
+    b, q, *_ = _pair(tmp_path)
+    _edit(_results(b), **{"n-shot": {"qa_task": 0}})
+    _edit(_results(q), **{"n-shot": {"qa_task": 5}})
+    proc = run_qserve_in_process("gate", b, q, "--tasks", "qa_task")
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (
+        "error: qa_task: the runs differ in their few-shot count (n-shot in results_2026-11-24T10-00-00.json and "
+        "results_2026-11-24T10-00-00.json): they did not ask the same question; run both with the same task, --num_fewshot and data"
+    )
+    _edit(_results(q), **{"n-shot": {"qa_task": 0}})
+    samples = next(q.rglob("samples_qa_task_*.jsonl"))
+    lines = [
+        json.loads(x) | {"doc_hash": "d", "prompt_hash": "p" if i != 7 else "other"}
+        for i, x in enumerate(samples.read_text().splitlines())
+    ]
+    samples.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    base_samples = next(b.rglob("samples_qa_task_*.jsonl"))
+    base_lines = [json.loads(x) | {"doc_hash": "d", "prompt_hash": "p"} for x in base_samples.read_text().splitlines()]
+    base_samples.write_text("".join(json.dumps(x) + "\n" for x in base_lines))
+    proc = run_qserve_in_process("gate", b, q, "--tasks", "qa_task")
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (
+        "error: qa_task: 1 items have other documents or prompts in the two runs (doc_hash / prompt_hash, first doc_id 7); "
+        "run both with the same task, --num_fewshot and data"
+    )
+
+
+def test_gate_refuses_items_that_do_not_add_up_to_their_stated_score(tmp_path: Path) -> None:
+    """A results file saying 60 % beside items that score 30 % is another run's items, or an edit."""
+    b, q, *_ = _pair(tmp_path)
+    raw = json.loads(_results(q).read_text())
+    raw["results"]["qa_task"]["exact_match,strict-match"] = 0.6
+    _results(q).write_text(json.dumps(raw))
+    proc = run_qserve_in_process("gate", b, q, "--tasks", "qa_task")
+    assert proc.returncode == 1
+    mean = (72 - 4 + 1) / 120  # the quantized items: 72 right in the baseline, 4 lost, 1 gained
+    assert proc.stderr.strip() == (
+        f"error: qa_task: the 120 items in samples_qa_task_2026-11-24T10-00-00.jsonl give exact_match,strict-match {mean:.6g}, "
+        "but results_2026-11-24T10-00-00.json states 0.6: they are not the items of that result"
+    )
+
+
+def test_gate_finds_output_path_json_runs_and_picks_the_newest_results_by_date(tmp_path: Path) -> None:
+    b, q, *_ = _pair(tmp_path)
+    # --output_path run.json: lm-eval writes run_<date>.json with the samples beside it.
+    results = _results(q)
+    results.rename(results.with_name("run_2026-11-24T10-00-00.json"))
+    proc = run_qserve_in_process("gate", b, results.with_name("run_2026-11-24T10-00-00.json"), "--tasks", "qa_task", "--json")
+    assert json.loads(proc.stdout)["gates"][0]["flips"] == {"lost": 4, "gained": 1}
+    # An older run in a folder whose path sorts last is not the run: the date decides.
+    old = q / "zz__older"
+    old.mkdir()
+    (old / "results_2026-01-01T00-00-00.json").write_text(_results(b).read_text())
+    proc = run_qserve_in_process("gate", b, q, "--tasks", "qa_task", "--json")
+    assert json.loads(proc.stdout)["gates"][0]["flips"] == {"lost": 4, "gained": 1}

@@ -136,3 +136,16 @@ def test_a_plain_t_bound_without_the_size_rules_would_fail_this_test() -> None:
     estimate, terms = stats.ratio_terms(-2 * words, words, -2 * words - loss, words)
     plain = np.mean(stats.linearized_t(estimate, terms, looks.level(1))["upper"] < levels.ALLOWANCE)
     assert plain > 0.25
+
+
+def test_a_look_is_new_items_not_a_new_run() -> None:
+    """The same tasks, limit and offset again are that look again (same level, nothing spent); more
+    items are one new look; the demo's gate run three times stays look 1."""
+    demo = {"tasks": ["gsm8k_ppl"], "limit": 100, "offset": 0}
+    assert looks.number([], demo) == (1, True)
+    assert looks.number([demo, demo], demo) == (1, False)
+    larger = demo | {"limit": 300}
+    assert looks.number([demo], larger) == (2, True)
+    assert looks.number([demo, larger], demo) == (1, False)
+    assert looks.number([demo, larger], larger | {"tasks": ["gsm8k_ppl", "gsm8k"]}) == (3, True)
+    assert looks.number([demo], {"tasks": ["gsm8k_ppl"], "limit": 100, "offset": None}) == (1, False)

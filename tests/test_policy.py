@@ -66,6 +66,16 @@ def test_each_shortfall_is_named(gates: list[dict], expected: str) -> None:
     assert differences({"gates": gates}, recipe_policy(RECIPE)) == [expected]
 
 
+def test_a_policy_gate_without_a_metric_is_met_only_by_the_headline_metric() -> None:
+    """flexible-extract in place of strict-match (gsm8k's headline) does not meet `gsm8k: 0.95`."""
+    policy = Policy(gates={"gsm8k": 0.95})
+    other = _gate("gsm8k", metric="exact_match,flexible-extract", headline=False)
+    assert differences({"gates": [other]}, policy) == ["no gate on any task the policy names (gsm8k)"]
+    assert differences({"gates": [other | {"headline": True}]}, policy) == []
+    named = Policy(gates={"gsm8k": {"metric": "exact_match,strict-match", "min_recovery": 0.95}})
+    assert differences({"gates": [other | {"headline": True}]}, named) == ["no gate on any task the policy names (gsm8k)"]
+
+
 def test_an_operator_policy_file(tmp_path: Path) -> None:
     path = tmp_path / "policy.yaml"
     path.write_text("gates:\n  gsm8k_ppl: {max_increase: 0.02}\n  gsm8k: 0.95\nmin_items: 200\nrequire_all_tasks: true\n")

@@ -120,7 +120,7 @@ def differences(record: dict[str, Any], policy: Policy) -> list[str]:
     gates = record.get("gates") or []
     for task, specs in policy.specs().items():
         for spec in specs:
-            mine = [g for g in gates if g.get("task") == task and (spec.metric is None or g.get("metric") == spec.metric)]
+            mine = [g for g in gates if g.get("task") == task and _same_metric(g, spec)]
             mine = [g for g in mine if g.get("signal", True)]  # a gate without signal is a warning (gates.verdict)
             evaluated += mine
             if not mine and policy.require_all_tasks:
@@ -131,6 +131,12 @@ def differences(record: dict[str, Any], policy: Policy) -> list[str]:
     if not evaluated and not found:
         found.append(f"no gate on any task the policy names ({', '.join(policy.gates)})")
     return found
+
+
+def _same_metric(gate: dict[str, Any], spec: GateSpec) -> bool:
+    """Exactly the metric the policy names; a policy gate without one means the task's headline metric
+    (not whichever metric a record happens to hold, e.g. flexible-extract for strict-match)."""
+    return gate.get("metric") == spec.metric if spec.metric else gate.get("headline") is True
 
 
 def _shortfall(gate: dict[str, Any], spec: GateSpec, policy: Policy) -> str | None:

@@ -94,7 +94,7 @@ def evaluate(checkpoint: str | Path | None = None, options: EvalOptions | None =
     base_side = _baseline_side(plan, window, options.refresh_baseline)
     quant, parity_result, extra = _quantized_run(plan, window, options)
     base = _baseline_run(plan, base_side, window)
-    look = _look(plan.manifest, options.purpose)
+    look = _look(plan, options)
     decided = [_decide(t, spec, base, quant, look["level"]) for t in plan.tasks for spec in plan.specs[t.name]]
     final = verdict(decided)
     if "fail" in (parity_result["status"], extra["kv_cache"]["status"]):
@@ -103,7 +103,7 @@ def evaluate(checkpoint: str | Path | None = None, options: EvalOptions | None =
     summary = _summary(plan, base_side, outcome, options)
     summary |= {"offset": options.offset, "purpose": options.purpose, "look": look, "request": _request(plan, options)}
     summary["timings"]["total_seconds"] = round(time.monotonic() - started, 2)
-    if options.purpose == "gate":
+    if look.pop("new", False):
         looks.record(
             plan.manifest,
             {key: summary[key] for key in ("decided_at", "tasks", "limit", "offset")}
@@ -125,17 +125,19 @@ class _Outcome:
     extra: dict[str, Any]
 
 
-def _look(manifest: Manifest, purpose: str) -> dict[str, Any]:
-    """Which look at these weights this decision is, and the level it spends (looks.py)."""
-    if purpose != "gate":
+def _look(plan: _Plan, options: EvalOptions) -> dict[str, Any]:
+    """Which look at these weights this decision is, and the level it spends (looks.py): the same
+    items as an earlier look are that look again."""
+    if options.purpose != "gate":
         return {"number": None, "level": looks.level(1), "earlier": [], "counted": False}
-    earlier = looks.earlier(manifest)
-    number = len(earlier) + 1
+    earlier = looks.earlier(plan.manifest)
+    number, new = looks.number(earlier, {"tasks": [t.name for t in plan.tasks], "limit": options.limit, "offset": options.offset})
     if earlier:
+        again = "" if new else f", the same items as look {number}: decided again at its level"
         info(
-            f"note: look {number} at these weights ({len(earlier)} earlier gate runs): bounds at one-sided {1 - looks.level(number):.2%}"
+            f"note: look {number} at these weights ({len(earlier)} earlier gate runs{again}): bounds at one-sided {1 - looks.level(number):.2%}"
         )
-    return {"number": number, "level": looks.level(number), "earlier": earlier, "counted": True}
+    return {"number": number, "level": looks.level(number), "earlier": earlier, "counted": new, "new": new}
 
 
 def reusable_eval(checkpoint: str | Path, options: EvalOptions | None = None) -> dict[str, Any] | None:
@@ -340,7 +342,7 @@ def _decide(task: TaskDef, spec: GateSpec, base: EngineRun, quant: EngineRun, al
     metric = spec.metric or task.metric
     hib = _higher_is_better(quant.raw, task.name, metric)
     cmp = stats.compare(metric, hib, _score(base, task.name, metric), _score(quant, task.name, metric), alpha)
-    return decide(task.name, spec, cmp)
+    return decide(task.name, spec, cmp, headline=metric == task.metric)
 
 
 def _higher_is_better(raw: dict, task: str, metric: str) -> bool:

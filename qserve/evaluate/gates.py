@@ -128,6 +128,8 @@ class Gate:
     # allowance, relative for perplexities (0.02 = +2 %), else in the metric's own units.
     bounds: dict[str, float | str | int] | None = None
     flips: dict[str, int] | None = None  # 0/1 metrics: items lost and gained against the baseline
+    # The metric is the task's headline one: a policy gate that names no metric is met only by such a gate.
+    headline: bool = False
 
 
 def recovery(baseline: float, quantized: float, higher_is_better: bool) -> float | None:
@@ -138,7 +140,7 @@ def recovery(baseline: float, quantized: float, higher_is_better: bool) -> float
     return num / den
 
 
-def decide(task: str, spec: GateSpec, cmp: Comparison) -> Gate:
+def decide(task: str, spec: GateSpec, cmp: Comparison, headline: bool = False) -> Gate:
     allowed = allowed_degradation(spec, cmp.baseline, cmp.higher_is_better)
     if cmp.flips is not None and allowed is not None and not cmp.constant:
         cmp.bounds = binary_bounds(cmp.flips["lost"], cmp.flips["gained"], cmp.items or 0, allowed, cmp.level)
@@ -164,6 +166,7 @@ def decide(task: str, spec: GateSpec, cmp: Comparison) -> Gate:
         items=cmp.items,
         bounds=_bounds_record(cmp, allowed),
         flips=cmp.flips,
+        headline=headline,
     )
 
 

@@ -6,6 +6,10 @@ weights is decided at one-sided level ALPHA * 6 / (pi^2 k^2) (3.04 %, 0.76 %, 0.
 alpha-spending sequence whose sum is ALPHA: over any number of looks, a model at the allowance is
 passed at most 5 % of the time (Bonferroni over the looks, which needs no independence between them).
 
+A look is new evidence, not a new run: a gate run on the same items as an earlier one (the same
+tasks, --limit and offset) is that look again, decided at its level, so it gives the same decision
+and spends nothing; a run on more items is one new look on everything it scores.
+
 The ledger lives in qserve's cache, keyed by the hashes of the checkpoint's files (not its folder
 or its manifest's timestamps), so a re-quantized copy with the same bytes counts the same looks.
 A reused eval record is no new look; `qserve tune`'s search evals are not gate decisions (their
@@ -51,3 +55,15 @@ def record(manifest: Manifest, look: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:
         f.write(json.dumps(look, sort_keys=True) + "\n")
+
+
+def evidence(look: dict[str, Any]) -> str:
+    """What a look scored: its tasks, limit and offset (the same items give the same scores)."""
+    return json.dumps([sorted(look.get("tasks") or []), look.get("limit"), look.get("offset") or 0])
+
+
+def number(earlier: list[dict[str, Any]], scored: dict[str, Any]) -> tuple[int, bool]:
+    """(which look `scored` is, whether it is new): the same items as an earlier look are that look."""
+    seen = list(dict.fromkeys(evidence(e) for e in earlier))
+    key = evidence(scored)
+    return (seen.index(key) + 1, False) if key in seen else (len(seen) + 1, True)
