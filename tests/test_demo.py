@@ -27,6 +27,7 @@ from conftest import (
 )
 
 from qserve.checkpoint.manifest import EVAL_NAME, read_manifest
+from qserve.evaluate import looks
 
 # What qserve itself prints on stderr; a library line (loguru, vLLM logging, tqdm, warnings) is none of these.
 QSERVE_LINE = re.compile(
@@ -59,6 +60,10 @@ def test_the_demo_passes_with_margin_and_serves(demo_run: DemoRun) -> None:
         f"{1 - look['level']:.2%}, so that all looks together pass a model at its allowance at most 5 % of the time"
     ) in demo_run.stdout
     assert re.fullmatch(r"serving out-w8a8-int8 at http://127\.0\.0\.1:\d+/v1", demo_run.stdout[-2])
+    # The serve log says what passed the gate, and which look at these weights it was.
+    passed = f"qserve: accuracy gate passed (decided {record['decided_at']}, look {look['number']} at these weights)"
+    assert passed in demo_run.serve_log.splitlines()
+    assert look["history"][-1]["previous"] == (looks.digest(look["history"][-2]) if len(look["history"]) > 1 else None)
 
 
 @pytest.mark.skipif(runs_here(DEMO, serve=True), reason="this CPU serves the demo's scheme: the test above runs the demo")

@@ -179,3 +179,32 @@ def test_gate_finds_output_path_json_runs_and_picks_the_newest_results_by_date(t
     (old / "results_2026-01-01T00-00-00.json").write_text(_results(b).read_text())
     proc = run_qserve_in_process("gate", b, q, "--tasks", "qa_task", "--json")
     assert json.loads(proc.stdout)["gates"][0]["flips"] == {"lost": 4, "gained": 1}
+
+
+def test_looks_from_an_earlier_record_continue_its_history(tmp_path: Path) -> None:
+    """The same runs again are the same look; more items are look 2, at a smaller level; an edited
+    history is refused."""
+    from qserve.evaluate import looks
+
+    b, q, *_ = _pair(tmp_path)
+    first = tmp_path / "gate-1.json"
+    run_qserve_in_process("gate", b, q, "--tasks", "ppl_task", "--out", first)
+    again = tmp_path / "gate-again.json"
+    run_qserve_in_process("gate", b, q, "--tasks", "ppl_task", "--looks-from", first, "--out", again)
+    assert [json.loads(p.read_text())["look"]["number"] for p in (first, again)] == [1, 1]
+    assert len(json.loads(again.read_text())["look"]["history"]) == 1
+    larger_b, larger_q, *_ = _pair(tmp_path / "larger", n=200)
+    second = tmp_path / "gate-2.json"
+    proc = run_qserve_in_process("gate", larger_b, larger_q, "--tasks", "ppl_task", "--looks-from", first, "--out", second)
+    look = json.loads(second.read_text())["look"]
+    assert (look["number"], look["level"], len(look["history"])) == (2, looks.level(2), 2), proc.stderr
+    record = json.loads(second.read_text())
+    record["look"]["history"] = record["look"]["history"][1:]
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(record))
+    proc = run_qserve_in_process("gate", b, q, "--tasks", "ppl_task", "--looks-from", edited)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (
+        f"error: the look history in {edited} was edited: look 1 does not follow the one before it "
+        "(an entry was removed, reordered or changed); the gate cannot count the looks at these weights"
+    )

@@ -39,25 +39,42 @@ def _checkpoint(root: Path, gates: list[dict]) -> Path:
 
 
 def test_a_record_that_meets_the_recipe_has_no_difference() -> None:
-    assert differences({"gates": [_gate()]}, recipe_policy(RECIPE)) == []
-    # A stricter gate meets a looser policy; a no-signal gsm8k gate (a tiny model's ~1 %) is a warning, not a shortfall.
-    no_signal = _gate("gsm8k", status="inconclusive", signal=False)
-    assert differences({"gates": [_gate(criteria={"min_recovery": 0.99}), no_signal]}, recipe_policy(RECIPE)) == []
+    assert differences({"gates": [_gate(), _gate("gsm8k")]}, recipe_policy(RECIPE)) == []
+    # A stricter gate meets a looser policy.
+    assert differences({"gates": [_gate(criteria={"min_recovery": 0.99}), _gate("gsm8k")]}, recipe_policy(RECIPE)) == []
+
+
+def test_every_task_the_recipe_gates_is_required_and_a_gate_without_signal_is_a_difference() -> None:
+    """`qserve eval --tasks gsm8k_ppl` alone does not meet a recipe that gates gsm8k too; a no-signal
+    gsm8k gate (a tiny model's ~1 %) is shown as such and needs the operator's acceptance."""
+    assert differences({"gates": [_gate()]}, recipe_policy(RECIPE)) == [
+        "no gate on gsm8k (the policy requires {'min_recovery': 0.95})"
+    ]
+    silent = _gate("gsm8k", status="inconclusive", signal=False, reason="all 100 items scored 0 on both models")
+    assert differences({"gates": [_gate(), silent]}, recipe_policy(RECIPE)) == [
+        "gsm8k was gated without signal (all 100 items scored 0 on both models): it decided nothing"
+    ]
+    one = Policy(gates=RECIPE["gates"], require_all_tasks=False)
+    assert differences({"gates": [_gate()]}, one) == []
+    assert differences({"gates": [_gate("arc_easy")]}, one) == ["no gate on any task the policy names (gsm8k_ppl, gsm8k)"]
 
 
 @pytest.mark.parametrize(
     ("gates", "expected"),
     [
         (
-            [_gate(criteria={"max_increase": 1.0})],
+            [_gate(criteria={"max_increase": 1.0}), _gate("gsm8k")],
             "gsm8k_ppl word_perplexity,none was gated at {'max_increase': 1.0}, looser than the policy's {'min_recovery': 0.95}",
         ),
-        ([_gate(items=20)], f"gsm8k_ppl word_perplexity,none passed on 20 items, below the policy's minimum of {MIN_ITEMS}"),
-        ([_gate(status="inconclusive")], "gsm8k_ppl word_perplexity,none did not pass (inconclusive)"),
-        ([_gate("arc_easy")], "no gate on any task the policy names (gsm8k_ppl, gsm8k)"),
+        (
+            [_gate(items=20), _gate("gsm8k")],
+            f"gsm8k_ppl word_perplexity,none passed on 20 items, below the policy's minimum of {MIN_ITEMS}",
+        ),
+        ([_gate(status="inconclusive"), _gate("gsm8k")], "gsm8k_ppl word_perplexity,none did not pass (inconclusive)"),
+        ([_gate("arc_easy"), _gate("gsm8k")], "no gate on gsm8k_ppl (the policy requires {'min_recovery': 0.95})"),
         # The criteria say 0.95, the stated allowance was edited to +100 %: the looser of the two counts.
         (
-            [_gate(allowed_degradation=10.0)],
+            [_gate(allowed_degradation=10.0), _gate("gsm8k")],
             "gsm8k_ppl word_perplexity,none was gated at {'min_recovery': 0.95}, looser than the policy's {'min_recovery': 0.95}",
         ),
     ],
@@ -70,10 +87,12 @@ def test_a_policy_gate_without_a_metric_is_met_only_by_the_headline_metric() -> 
     """flexible-extract in place of strict-match (gsm8k's headline) does not meet `gsm8k: 0.95`."""
     policy = Policy(gates={"gsm8k": 0.95})
     other = _gate("gsm8k", metric="exact_match,flexible-extract", headline=False)
-    assert differences({"gates": [other]}, policy) == ["no gate on any task the policy names (gsm8k)"]
+    assert differences({"gates": [other]}, policy) == ["no gate on gsm8k (the policy requires {'min_recovery': 0.95})"]
     assert differences({"gates": [other | {"headline": True}]}, policy) == []
     named = Policy(gates={"gsm8k": {"metric": "exact_match,strict-match", "min_recovery": 0.95}})
-    assert differences({"gates": [other | {"headline": True}]}, named) == ["no gate on any task the policy names (gsm8k)"]
+    assert differences({"gates": [other | {"headline": True}]}, named) == [
+        "no gate on gsm8k@exact_match,strict-match (the policy requires {'min_recovery': 0.95})"
+    ]
 
 
 def test_an_operator_policy_file(tmp_path: Path) -> None:
@@ -100,7 +119,7 @@ def _sign(ckpt: Path, *extra: str) -> tuple[int, str]:
 
 
 def test_sign_refuses_a_looser_gate_and_records_an_accepted_difference(tmp_path: Path) -> None:
-    ckpt = _checkpoint(tmp_path, [_gate(items=20)])
+    ckpt = _checkpoint(tmp_path, [_gate(items=20), _gate("gsm8k")])
     assert _sign(ckpt) == (
         1,
         f"error: the gate record does not meet the policy of recipe r: gsm8k_ppl word_perplexity,none passed on 20 items, "
@@ -112,12 +131,33 @@ def test_sign_refuses_a_looser_gate_and_records_an_accepted_difference(tmp_path:
     assert record["waivers"] == [
         {
             "accepted_by": "sign",
+            "override": "--accept-gate-difference",
             "policy": "recipe r",
             "differences": [f"gsm8k_ppl word_perplexity,none passed on 20 items, below the policy's minimum of {MIN_ITEMS}"],
         }
     ]
     assert (
         "**Gate below its policy, accepted by the operator** (`qserve sign --accept-gate-difference`"
+        in (ckpt / CARD_NAME).read_text()
+    )
+
+
+def test_a_policy_file_below_the_recipe_leaves_a_trace_in_the_record_and_the_card(tmp_path: Path) -> None:
+    """`--policy FILE` that the record meets, where the recipe's own policy would refuse it: signed,
+    and the record and the card say which policy stood in for the recipe's and what it let through."""
+    ckpt = _checkpoint(tmp_path, [_gate()])
+    loose = tmp_path / "loose.yaml"
+    loose.write_text("gates:\n  gsm8k_ppl: 0.95\n")
+    assert _sign(ckpt, "--policy", str(loose))[0] == 0
+    (waiver,) = json.loads((ckpt / EVAL_NAME).read_text())["waivers"]
+    assert waiver == {
+        "accepted_by": "sign",
+        "override": f"--policy {loose}",
+        "policy": "recipe r",
+        "differences": ["no gate on gsm8k (the policy requires {'min_recovery': 0.95})"],
+    }
+    assert (
+        f"**Gate below its policy, accepted by the operator** (`qserve sign --policy {loose}`, policy of recipe r)"
         in (ckpt / CARD_NAME).read_text()
     )
 

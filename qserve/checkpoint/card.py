@@ -119,7 +119,7 @@ def _result(gate: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def _waiver_line(waiver: dict[str, Any]) -> str:
-    how = f"`qserve {waiver['accepted_by']} --accept-gate-difference`, policy of {waiver['policy']}"
+    how = f"`qserve {waiver['accepted_by']} {waiver.get('override', '--accept-gate-difference')}`, policy of {waiver['policy']}"
     return f"**Gate below its policy, accepted by the operator** ({how}): {'; '.join(waiver['differences'])}.\n"
 
 

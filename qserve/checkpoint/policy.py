@@ -1,8 +1,8 @@
 """The gate a checkpoint must meet before `qserve serve` or `qserve sign` accepts it: its policy.
 
 A gate record says what was measured and decided; the policy says what was required. By default
-it is the recipe's declared gates (written into the manifest) at MIN_ITEMS items or more; an
-operator may name a policy file instead. A record whose criteria are looser than the policy, or
+it is the recipe's declared gates (written into the manifest), every task and metric of them, each
+at MIN_ITEMS items or more; an operator may name a policy file instead. A record whose criteria are looser than the policy, or
 whose n is below the minimum, is refused with one line naming the difference, unless the operator
 accepts the difference explicitly; the acceptance is then written into the eval record and the
 model card, so whoever reads the checkpoint sees it.
@@ -87,7 +87,7 @@ class Policy(BaseModel):
     model_config = ConfigDict(extra="forbid")
     gates: dict[str, Any] = Field(default_factory=dict, description="task -> gate(s), as in a recipe")
     min_items: int = Field(MIN_ITEMS, ge=1, description="the fewest items a passing gate may rest on")
-    require_all_tasks: bool = Field(False, description="every task of `gates` evaluated (default: at least one)")
+    require_all_tasks: bool = Field(True, description="every task and metric of `gates` gated (false: at least one)")
     source: str = "the recipe"
 
     def specs(self) -> dict[str, list[GateSpec]]:
@@ -114,19 +114,21 @@ def read_policy(path: Path) -> Policy:
 
 
 def differences(record: dict[str, Any], policy: Policy) -> list[str]:
-    """Where a gate record falls short of the policy; empty when it meets it. Each evaluated task the
-    policy names must meet its gates; at least one must have been evaluated (all, with require_all_tasks)."""
+    """Where a gate record falls short of the policy; empty when it meets it. Every task and metric the
+    policy names must have been gated and met (with require_all_tasks: false, at least one); a gate
+    with no signal on a named task is a difference the operator must accept."""
     found, evaluated = [], []
     gates = record.get("gates") or []
     for task, specs in policy.specs().items():
         for spec in specs:
-            mine = [g for g in gates if g.get("task") == task and _same_metric(g, spec)]
-            mine = [g for g in mine if g.get("signal", True)]  # a gate without signal is a warning (gates.verdict)
+            named = f"{task}{'@' + spec.metric if spec.metric else ''}"
+            matching = [g for g in gates if g.get("task") == task and _same_metric(g, spec)]
+            mine = [g for g in matching if g.get("signal", True)]
             evaluated += mine
-            if not mine and policy.require_all_tasks:
-                found.append(
-                    f"no gate on {task}{'@' + spec.metric if spec.metric else ''} (the policy requires {spec.criteria()})"
-                )
+            if not mine and len(matching) > len(mine):
+                found.append(f"{named} was gated without signal ({matching[0].get('reason')}): it decided nothing")
+            elif not mine and policy.require_all_tasks:
+                found.append(f"no gate on {named} (the policy requires {spec.criteria()})")
             found += [d for g in mine if (d := _shortfall(g, spec, policy))]
     if not evaluated and not found:
         found.append(f"no gate on any task the policy names ({', '.join(policy.gates)})")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -101,10 +102,21 @@ def read_eval(ckpt: Path) -> dict[str, Any] | None:
     return _checked(record, path)
 
 
-def check_gate(ckpt: Path, policy_file: Path | None = None, accept_difference: bool = False, by: str = "serve") -> str:
+@dataclass(frozen=True)
+class GateCheck:
+    """What serve and sign found in a passing gate record: when it was decided, which look at the
+    weights it was, and the overrides the operator used (for the serve log's first lines)."""
+
+    decided_at: str
+    look: int | None
+    overrides: list[str]
+
+
+def check_gate(ckpt: Path, policy_file: Path | None = None, accept_difference: bool = False, by: str = "serve") -> GateCheck:
     """Raise unless this exact checkpoint passed `qserve eval` with gates that meet its policy (the
-    recipe's gates, or `policy_file`); returns when it was decided. A difference the operator
-    accepts is written into the eval record and the model card (once)."""
+    recipe's gates, or `policy_file`). A difference the operator accepts, and a policy file under
+    which the record falls short of the recipe's own, are written into the eval record and the model
+    card (once)."""
     result = read_eval(ckpt)
     if result is None:
         raise QserveError(f"{ckpt} has no accuracy gate result; run `qserve eval {ckpt}` first (or pass --skip-gate)")
@@ -121,25 +133,38 @@ def check_gate(ckpt: Path, policy_file: Path | None = None, accept_difference: b
         raise QserveError(
             f"{ckpt} did not pass its accuracy gate (verdict: {result.get('verdict')}); see `qserve eval {ckpt}` (or pass --skip-gate)"
         )
-    manifest = read_manifest(ckpt)
-    policy = gate_policy.read_policy(policy_file) if policy_file else gate_policy.recipe_policy(manifest.recipe)
+    recipe = gate_policy.recipe_policy(read_manifest(ckpt).recipe)
+    policy = gate_policy.read_policy(policy_file) if policy_file else recipe
+    overrides = []
     accepted = gate_policy.check(result, policy, accept_difference)
     if accepted:
-        _record_waiver(ckpt, result, {"accepted_by": by, "policy": policy.source, "differences": accepted})
-    return str(result.get("decided_at"))
+        overrides.append(_record_waiver(ckpt, result, by, "--accept-gate-difference", policy.source, accepted))
+    below_recipe = gate_policy.differences(result, recipe) if policy_file else []
+    if below_recipe:
+        overrides.append(_record_waiver(ckpt, result, by, f"--policy {policy_file}", recipe.source, below_recipe))
+    elif policy_file:
+        overrides.append(f"--policy {policy_file} in place of the policy of {recipe.source} (the record meets both)")
+    for line in overrides:
+        info(f"warning: {line}")
+    return GateCheck(str(result.get("decided_at")), (result.get("look") or {}).get("number"), overrides)
 
 
-def _record_waiver(ckpt: Path, record: dict[str, Any], waiver: dict[str, Any]) -> None:
-    """The operator accepted a gate looser than the policy: say so in the record and the card, once."""
+def _record_waiver(ckpt: Path, record: dict[str, Any], by: str, override: str, policy: str, differences: list[str]) -> str:
+    """The operator served or signed a gate below a policy: say so in the record and the card, once."""
     from qserve.checkpoint.card import model_card
 
-    info(f"warning: --accept-gate-difference: {'; '.join(waiver['differences'])}")
+    line = f"{override}: below the policy of {policy}: {'; '.join(differences)}"
+    waiver = {"accepted_by": by, "override": override, "policy": policy, "differences": differences}
     waivers = record.setdefault("waivers", [])
-    if any(w["differences"] == waiver["differences"] and w["policy"] == waiver["policy"] for w in waivers):
-        return  # already recorded (and perhaps signed): rewriting would break the signature
+    if any(
+        w.get("override", "--accept-gate-difference") == override and w["differences"] == differences and w["policy"] == policy
+        for w in waivers
+    ):
+        return line  # already recorded (and perhaps signed): rewriting would break the signature
     waivers.append(waiver)
     write_eval(ckpt, record)
     write_text(ckpt / CARD_NAME, model_card(ckpt, read_manifest(ckpt), record))
+    return line
 
 
 def resolve_checkpoint(checkpoint: str | Path | None) -> Path:

@@ -18,34 +18,37 @@ def gate(
     tasks: TasksOpt = None,
     gate: GateOpt = None,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Also write the gate record (JSON) here.")] = None,
-    look: Annotated[
-        int,
+    looks_from: Annotated[
+        Path | None,
         typer.Option(
-            min=1, help="How many times these weights have been gated, this run included: each look spends less of the 5 %."
+            "--looks-from",
+            help="An earlier record of these weights (this command's --out, or a qserve_eval.json): its look history "
+            "continues here, so each new set of items spends less of the 5 %; the same items again are the same look.",
         ),
-    ] = 1,
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Apply qserve's paired gate to two lm-eval runs made elsewhere (a GPU cluster, a CI job).
 
-    Both runs need `--log_samples` on the same items: the gate compares them item by item (exact
-    binomial bounds for 0/1 metrics, a t bound on per-document terms for perplexities and other
-    means; see `qserve gate-levels`). Which way a metric is better comes from lm-eval's own results.
-    Default gate: min_recovery 0.95 on each task's first metric. qserve cannot count gate runs it did not
-    make: pass --look 2 for a second run on the same weights (more items after an inconclusive one), and
-    so on. Exit 0 PASS, 3 FAIL, 4 INCONCLUSIVE.
+    Both runs need `--log_samples` on the same items, few-shot count and prompts: the gate compares them
+    item by item (the exact score test on items lost and gained for 0/1 metrics, a t bound on
+    per-document terms for perplexities and other means; see `qserve gate-levels`). Which way a metric is
+    better comes from lm-eval's own results. Default gate: min_recovery 0.95 on each task's first metric.
+    qserve counts only the looks it is shown: after an inconclusive run, gate the larger run with
+    `--looks-from` the first one's --out record. Exit 0 PASS, 3 FAIL, 4 INCONCLUSIVE.
 
     \b
     Example:
       lm_eval --model vllm --model_args pretrained=BASE --tasks gsm8k --log_samples --output_path runs/base
       lm_eval --model vllm --model_args pretrained=QUANT --tasks gsm8k --log_samples --output_path runs/quant
-      qserve gate runs/base runs/quant --gate gsm8k:max_drop=0.02
+      qserve gate runs/base runs/quant --gate gsm8k:max_drop=0.02 --out gate-1.json
+      qserve gate runs/base-1000 runs/quant-1000 --gate gsm8k:max_drop=0.02 --looks-from gate-1.json
     """
     from qserve.checkpoint.records import write_json
     from qserve.evaluate.external import format_report, gate_runs
     from qserve.evaluate.gates import parse_cli_gates
 
-    summary = gate_runs(baseline, quantized, parse_cli_gates(gate or []), split(tasks), look)
+    summary = gate_runs(baseline, quantized, parse_cli_gates(gate or []), split(tasks), looks_from)
     if out is not None:
         write_json(out, summary)
     typer.echo(json.dumps(summary, indent=2) if as_json else format_report(summary))

@@ -103,12 +103,14 @@ def evaluate(checkpoint: str | Path | None = None, options: EvalOptions | None =
     summary = _summary(plan, base_side, outcome, options)
     summary |= {"offset": options.offset, "purpose": options.purpose, "look": look, "request": _request(plan, options)}
     summary["timings"]["total_seconds"] = round(time.monotonic() - started, 2)
-    if look.pop("new", False):
-        looks.record(
-            plan.manifest,
-            {key: summary[key] for key in ("decided_at", "tasks", "limit", "offset")}
-            | {"verdict": final, "level": look["level"]},
-        )
+    if options.purpose == "gate":
+        entry = {key: summary[key] for key in ("decided_at", "tasks", "limit", "offset")} | {
+            "verdict": final,
+            "level": look["level"],
+        }
+        if look["counted"]:
+            looks.record(plan.manifest, entry)
+        look["history"] = looks.chained(look["earlier"], *([entry] if look["counted"] else []))
     reports.write_all(plan.ckpt, plan.manifest, summary, {"quantized": quant.raw, "baseline": base.raw})
     return summary
 
@@ -130,14 +132,28 @@ def _look(plan: _Plan, options: EvalOptions) -> dict[str, Any]:
     items as an earlier look are that look again."""
     if options.purpose != "gate":
         return {"number": None, "level": looks.level(1), "earlier": [], "counted": False}
-    earlier = looks.earlier(plan.manifest)
+    earlier = looks.earlier(plan.manifest, _travelled_history(plan))
     number, new = looks.number(earlier, {"tasks": [t.name for t in plan.tasks], "limit": options.limit, "offset": options.offset})
     if earlier:
         again = "" if new else f", the same items as look {number}: decided again at its level"
         info(
             f"note: look {number} at these weights ({len(earlier)} earlier gate runs{again}): bounds at one-sided {1 - looks.level(number):.2%}"
         )
-    return {"number": number, "level": looks.level(number), "earlier": earlier, "counted": new, "new": new}
+    return {
+        "number": number,
+        "level": looks.level(number),
+        "earlier": earlier,
+        "counted": new,
+        "weights": looks.weights_key(plan.manifest),
+    }
+
+
+def _travelled_history(plan: _Plan) -> list[dict[str, Any]]:
+    """The looks the checkpoint's own record carries, when that record is of these weights."""
+    from qserve.checkpoint.records import read_eval
+
+    look = (read_eval(plan.ckpt) or {}).get("look") or {}
+    return (look.get("history") or []) if look.get("weights") == looks.weights_key(plan.manifest) else []
 
 
 def reusable_eval(checkpoint: str | Path, options: EvalOptions | None = None) -> dict[str, Any] | None:

@@ -25,14 +25,22 @@ from qserve.evaluate.gates import decide, verdict
 
 
 def gate_runs(
-    baseline: Path, quantized: Path, gates: dict[str, list[GateSpec]], tasks: list[str] | None = None, look: int = 1
+    baseline: Path,
+    quantized: Path,
+    gates: dict[str, list[GateSpec]],
+    tasks: list[str] | None = None,
+    looks_from: Path | None = None,
 ) -> dict[str, Any]:
-    """Decide every gate (default: min_recovery 0.95 on each task's first metric) on two lm-eval outputs,
-    at the level of the look-th look at these weights (looks.py: qserve cannot count looks it did not run)."""
+    """Decide every gate (default: min_recovery 0.95 on each task's first metric) on two lm-eval outputs.
+    `looks_from`: an earlier record (this command's --out, or a qserve_eval.json) whose look history
+    these runs continue; without it this is a first look (looks.py: qserve counts only looks it is shown)."""
     base, quant = _LmEvalRun(baseline), _LmEvalRun(quantized)
     names = tasks or sorted(set(gates) or (set(base.results) & set(quant.results)))
     if not names:
         raise QserveError(f"{baseline} and {quantized} have no task in common")
+    history = _history(looks_from) if looks_from else []
+    scored = {"tasks": names, "limit": {task: len(base.sample_hashes(task)) for task in names}, "offset": 0}
+    look, new = looks.number(history, scored)
     decided = []
     for task in names:
         _same_question(task, base, quant)
@@ -49,14 +57,36 @@ def gate_runs(
                 run.check_items_add_up(task, metric, side)
             cmp = stats.compare(metric, hib, b, q, looks.level(look))
             decided.append(decide(task, spec, cmp, headline=metric == base.headline(task)))
+    decided_at, final = datetime.now(UTC).isoformat(timespec="seconds"), verdict(decided)
+    entry = scored | {"decided_at": decided_at, "verdict": final, "level": looks.level(look)}
     return {
         "baseline_run": str(baseline),
         "quantized_run": str(quantized),
-        "decided_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        "verdict": verdict(decided),
-        "look": {"number": look, "level": looks.level(look), "counted": False, "earlier": []},
+        "decided_at": decided_at,
+        "verdict": final,
+        "look": {
+            "number": look,
+            "level": looks.level(look),
+            "counted": new,
+            "earlier": history,
+            "history": looks.chained(history, *([entry] if new else [])),
+        },
         "gates": [asdict(g) for g in decided],
     }
+
+
+def _history(path: Path) -> list[dict[str, Any]]:
+    """The look history an earlier record carries, checked link by link."""
+    try:
+        record = json.loads(path.read_text())
+    except OSError as exc:
+        raise QserveError(f"cannot read the look record {path}: {exc.strerror}") from None
+    except json.JSONDecodeError:
+        raise QserveError(f"{path} is not a gate record (JSON) of `qserve gate --out` or `qserve eval`") from None
+    history = ((record if isinstance(record, dict) else {}).get("look") or {}).get("history")
+    if not isinstance(history, list):
+        raise QserveError(f"{path} holds no look history (a record of `qserve gate --out` or `qserve eval` from this version)")
+    return looks.checked(history, str(path))
 
 
 def _same_question(task: str, base: _LmEvalRun, quant: _LmEvalRun) -> None:

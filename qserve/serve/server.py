@@ -71,12 +71,12 @@ def serve(
     endpoint, checks = endpoint or Endpoint(), checks or Checks()
     ckpt = Path(checkpoint)
     manifest, device = load_servable(ckpt)
-    checks.run(ckpt, announce=True)
+    notes = checks.run(ckpt, announce=True)
     _warn_about_access(endpoint)
     with private_copy(ckpt) as copy:
         checks.run_on_copy(copy, ckpt, manifest)
         p = plan(ckpt, manifest, device, endpoint, extra_args, loaded_from=copy)
-        with running(p, ready_timeout=ready_timeout, verbose=verbose, warm=warm) as server:
+        with running(p, ready_timeout=ready_timeout, verbose=verbose, warm=warm, header=notes) as server:
             print(f"serving {p.model_name} at {p.url}/v1", flush=True)
             print(_curl(p, endpoint.key_source if endpoint.api_key else None), flush=True)
             code = server.wait()  # raises Stopped on SIGINT/SIGTERM, after the group is gone
@@ -168,17 +168,23 @@ class Checks:
     policy: Path | None = None
     accept_gate_difference: bool = False
 
-    def run(self, ckpt: Path, announce: bool = False) -> None:
+    def run(self, ckpt: Path, announce: bool = False) -> list[str]:
+        """Raise unless the checkpoint may be served; returns what the serve log opens with: the gate
+        that passed, its look, and every override of it."""
+        notes, overrides = [], []
         if self.verify_key is not None:
             signing.verify(ckpt, self.verify_key)
-            if announce:
-                info(f"signature by {self.verify_key} covers every file")
-        if not self.skip_gate:
-            decided = check_gate(ckpt, self.policy, self.accept_gate_difference)
-            if announce:
-                info(f"accuracy gate passed (decided {decided})")
-        elif announce:
-            info("warning: --skip-gate: serving a checkpoint without a passing accuracy gate")
+            notes.append(f"signature by {self.verify_key} covers every file")
+        if self.skip_gate:
+            notes.append("warning: --skip-gate: serving a checkpoint without a passing accuracy gate")
+        else:
+            gate = check_gate(ckpt, self.policy, self.accept_gate_difference)  # says its overrides itself
+            look = f", look {gate.look} at these weights" if gate.look else ""
+            notes.append(f"accuracy gate passed (decided {gate.decided_at}{look})")
+            overrides = [f"warning: {o}" for o in gate.overrides]
+        for note in notes if announce else []:
+            info(note)
+        return notes + overrides
 
     def run_on_copy(self, copy: Path, ckpt: Path, manifest: Manifest) -> None:
         """The checks again, on the private copy vLLM will load: a file replaced in the checkpoint
@@ -200,6 +206,7 @@ def running(
     verbose: bool = False,
     grace: float = GRACE_SECONDS,
     warm: WarmServer | None = None,
+    header: list[str] | None = None,
 ) -> Iterator[ProcessGroup]:
     """Start the server (`command`, default the plan's), wait until it answers, stop its whole group on
     exit (SIGTERM, then SIGKILL for what is left `grace` seconds later). `warm`: an interpreter
@@ -212,6 +219,7 @@ def running(
     command = command or p.command
     taken = warm.take(p, command) if warm else None
     with taken.sink if taken else _log_sink(p.log, verbose) as sink:
+        sink.write_header(header or [])
         server = ProcessGroup(command, env=p.env, stdout=sink.stdout, grace=grace, started=taken and taken.proc)
         if taken is None:
             sink.start(server.proc)
@@ -313,6 +321,11 @@ class _log_sink:
 
     def __enter__(self) -> _log_sink:
         return self
+
+    def write_header(self, lines: list[str]) -> None:
+        """qserve's own lines before vLLM's: what passed the gate, and every override of it."""
+        self.file.write("".join(f"qserve: {line}\n" for line in lines).encode())
+        self.file.flush()
 
     def start(self, proc: subprocess.Popen) -> None:
         if self.verbose:
