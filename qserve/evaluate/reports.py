@@ -123,15 +123,24 @@ def _kl_line(summary: dict[str, Any]) -> str | None:
 
 
 def _look_line(summary: dict[str, Any]) -> str | None:
-    """How many gate runs these weights have had: each spends part of the 5 % (looks.py)."""
+    """Which look at these weights this was (a look is new items), and what a pass guarantees."""
     look = summary.get("look") or {}
-    if not look.get("counted"):
+    if not look or summary.get("purpose") == "tune search" or look.get("number") is None:
         return "tune search: not a gate decision (the winner is confirmed on held-out items)" if look else None
     window = f"items {summary['offset']}-{summary['offset'] + summary['limit'] - 1}; " if summary.get("offset") else ""
+    again = "" if look.get("counted") else f"the same items as look {look['number']}, nothing spent; "
     return (
-        f"look {look['number']} at these weights ({window}{len(look['earlier'])} earlier gate runs): "
-        f"bounds one-sided {1 - look['level']:.2%}, so that all looks together pass a model at its allowance at most 5 % of the time"
+        f"look {look['number']} at these weights ({window}{again}{len(look['earlier'])} earlier gate runs): "
+        f"bounds one-sided {1 - look['level']:.2%}, so that all looks together pass a model at its allowance at most 5 % of the time "
+        f"({GUARANTEE})"
     )
+
+
+# The class of loss shapes a pass's level holds for, as README and docs/gates.md state it.
+GUARANTEE = (
+    "exact for 0/1 metrics; for perplexities and other means, for the loss shapes docs/gate-levels.md covers, "
+    "Pareto-tailed losses outside them"
+)
 
 
 def _status(gate: dict[str, Any]) -> str:
