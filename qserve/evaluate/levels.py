@@ -33,6 +33,7 @@ class Shape:
     describe: str
     draw: Callable[[Any, float, tuple[int, int]], Any]  # (rng, mean, (n, draws)) -> per-word loss per item
     word_noise: float = 0.0  # sd of the per-word noise, as a multiple of the allowance at MEAN_WORDS words
+    length: bool = False  # perplexity gates: the per-word loss grows in proportion to the document's length
 
 
 def _mixture(rng, mean, size):
@@ -50,6 +51,13 @@ SHAPES = (
     ),
     Shape("student-t3", "Student t, 3 d.f., scale = the allowance", lambda r, m, s: m + ALLOWANCE * r.standard_t(3, s)),
     Shape("rare-5%", "5 % of documents carry 80 % of the loss, small noise", _mixture, 0.3),
+    Shape(
+        "length-correlated",
+        "per-word loss in proportion to the document's length, lognormal sigma 1, per-word noise",
+        lambda r, m, s: m * r.lognormal(0, 1, s) / math.exp(0.5),
+        0.3,
+        length=True,
+    ),
     Shape("pareto-4", "Pareto tail, index 4, centred, sd = the allowance", lambda r, m, s: m + ALLOWANCE * _pareto(r, 4.0, s)),
     Shape(
         "pareto-3",
@@ -87,6 +95,8 @@ def corpus_passes(shape: Shape, mean: float, n: int, draws: int, rng, alpha: flo
 
     words = rng.integers(20, 201, size=(n, draws)).astype(float)
     loss = words * shape.draw(rng, mean, (n, draws))
+    if shape.length:  # scaled so that the corpus's loss per word stays `mean`: E[w] / E[w^2] over 20-200 words
+        loss *= words * (sum(range(20, 201)) / sum(w * w for w in range(20, 201)))
     loss += shape.word_noise * ALLOWANCE * np.sqrt(MEAN_WORDS * words) * rng.standard_normal((n, draws))
     base = -2.0 * words  # the baseline's log-likelihood; only the difference matters
     estimate, terms = stats.ratio_terms(base, words, base - loss, words)
