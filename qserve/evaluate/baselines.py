@@ -21,6 +21,7 @@ from qserve import paths
 from qserve.checkpoint.hashing import sha256_file, sha256_json
 from qserve.checkpoint.manifest import library_versions
 from qserve.checkpoint.records import write_json
+from qserve.errors import QserveError
 
 FORMAT = 2
 
@@ -103,3 +104,25 @@ def _read_json(path: Path) -> Any:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return None  # absent or damaged: recompute
+
+
+# The worst a trained language model scores on English text, per corpus-level metric: beyond these
+# the baseline is not a working model (a broken tokenizer or weights), and nothing is gated against it.
+SANE = {
+    "word_perplexity": 1000.0,  # a unigram model of English words scores about 1,000; a 135M model about 36
+    "byte_perplexity": 8.0,  # 3 bits per byte; trained models give about 1.5-2.5
+    "bits_per_byte": 3.0,  # the same bound, in bits
+}
+
+
+def check_sane(model: str, task: str, metric: str, score: float) -> None:
+    """One error line when the baseline's score on a task is outside what a trained model gives."""
+    import math
+
+    name = metric.partition(",")[0]
+    worst = SANE.get(name)
+    if worst is not None and not (math.isfinite(score) and score <= worst):
+        raise QserveError(
+            f"the baseline {model} does not look like a working language model on {task}: {name} {score:.4g}, where a "
+            f"trained model gives at most {worst:g} (check its tokenizer and weights); nothing was gated against it"
+        )

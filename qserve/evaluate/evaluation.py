@@ -94,6 +94,8 @@ def evaluate(checkpoint: str | Path | None = None, options: EvalOptions | None =
     base_side = _baseline_side(plan, window, options.refresh_baseline)
     quant, parity_result, extra = _quantized_run(plan, window, options)
     base = _baseline_run(plan, base_side, window)
+    for task in plan.tasks:
+        baselines.check_sane(plan.manifest.source_model["id"], task.name, task.metric, _score(base, task.name, task.metric)[0])
     look = _look(plan, options)
     decided = [_decide(t, spec, base, quant, look["level"]) for t in plan.tasks for spec in plan.specs[t.name]]
     final = verdict(decided)
