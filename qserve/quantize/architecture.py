@@ -65,7 +65,6 @@ def check_mappings(model_path: Path, recipe: Recipe, trust_remote_code: bool = F
         name = type(modifier).__name__.removesuffix("Modifier")
         if name not in ("SmoothQuant", "AWQ"):
             continue
-        _check_offset_norms(name, modifier, model)
         try:
             resolved = _resolve(modifier, model)
         except Exception as exc:  # the library's ValueError / RuntimeError on mappings it cannot match
@@ -76,33 +75,6 @@ def check_mappings(model_path: Path, recipe: Recipe, trust_remote_code: bool = F
         if not resolved:
             raise QserveError(
                 f"{name} would smooth nothing on {arch}: none of its mappings matches the layers the recipe quantizes"
-            )
-
-
-def _check_offset_norms(name: str, modifier: Any, model: Any) -> None:
-    """SmoothQuant that would fold its scale into a (1 + weight) norm is refused; AWQ runs without
-    those mappings (build_modifiers dropped them) and says so."""
-    from qserve.quantize.norms import offset_norms, without_offset_smoothing
-
-    arch = type(model).__name__
-    if name == "SmoothQuant":
-        mappings = modifier._infer_mappings_from_model(model)
-        _, dropped = without_offset_smoothing(mappings, model, "smooth_layers")
-        if dropped:
-            norm = next(iter(set(offset_norms(model).values())))
-            raise QserveError(
-                f"SmoothQuant cannot run on {arch}: its norms ({norm}) scale by (1 + weight), and llm-compressor folds "
-                f"the smoothing scale into the weight alone, which would change the model ({', '.join(dropped)}); "
-                "choose a recipe without smoothquant"
-            )
-    elif name == "AWQ":
-        from qserve.quantize.backends.llmcompressor import awq_mappings_for
-
-        dropped = awq_mappings_for(model)[1]
-        if dropped:
-            info(
-                f"note: AWQ on {arch} does not smooth into {', '.join(dropped)}: those norms scale by (1 + weight), "
-                "which llm-compressor's smoothing does not account for; the other mappings run"
             )
 
 

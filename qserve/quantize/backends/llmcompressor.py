@@ -33,12 +33,15 @@ def build_modifiers(recipe: Recipe, model: Any = None, batch_gptq: bool = False)
     modifiers: list[Any] = []
     try:
         if recipe.smoothquant is not None:
-            modifiers.append(SmoothQuantModifier(smoothing_strength=recipe.smoothquant))
+            mappings = SMOOTHQUANT_MAPPINGS.get(type(model).__name__) if model is not None else None
+            modifiers.append(
+                SmoothQuantModifier(smoothing_strength=recipe.smoothquant, **({"mappings": mappings} if mappings else {}))
+            )
         if recipe.sparsity is not None:
             modifiers.append(_sparsegpt(recipe, model))
         if recipe.algorithm == "awq":
             # Current llm-compressor: AWQ only smooths; a quantization modifier after it quantizes.
-            mappings = awq_mappings_for(model)[0] if model is not None else None
+            mappings = awq_mappings(type(model).__name__) if model is not None else None
             modifiers.append(AWQModifier(**({"mappings": mappings} if mappings else {}), **options))
             options = {}
         modifiers.append(_quantizing_modifier(recipe.algorithm)(**quant, **options))
@@ -56,6 +59,18 @@ def build_modifiers(recipe: Recipe, model: Any = None, batch_gptq: bool = False)
 AWQ_SAME_LAYERS_AS = {"Olmo2ForCausalLM": "Olmo3ForCausalLM", "MixtralForCausalLM": "Qwen3MoeForCausalLM"}
 
 
+# SmoothQuant mappings where llm-compressor's registry gives the default ones to a model they do not fit.
+# Gemma 2 and 3 norm each sublayer's output too ("sandwich" norms): post_attention_layernorm scales
+# attention's output into the residual, and the MLP reads pre_feedforward_layernorm, so the default
+# pair (post_attention_layernorm -> gate/up) would change the model. (Their norms scale by 1 + weight;
+# llm-compressor's oneshot folds a scale into them as (1 + w) / s - 1 itself: modeling/offset_norm.py.)
+_SANDWICH = [
+    (["re:.*q_proj$", "re:.*k_proj$", "re:.*v_proj$"], "re:.*input_layernorm$"),
+    (["re:.*gate_proj$", "re:.*up_proj$"], "re:.*pre_feedforward_layernorm$"),
+]
+SMOOTHQUANT_MAPPINGS = {"Gemma2ForCausalLM": _SANDWICH, "Gemma3ForCausalLM": _SANDWICH}
+
+
 def awq_mappings(arch: str) -> Any:
     """qserve's AWQ mappings for an architecture llm-compressor's registry lacks; None: the registry's own."""
     if arch not in AWQ_SAME_LAYERS_AS:
@@ -63,19 +78,6 @@ def awq_mappings(arch: str) -> Any:
     from llmcompressor.modifiers.transform.awq.mappings import AWQ_MAPPING_REGISTRY
 
     return AWQ_MAPPING_REGISTRY[AWQ_SAME_LAYERS_AS[arch]]
-
-
-def awq_mappings_for(model: Any) -> tuple[list[Any] | None, list[str]]:
-    """The AWQ mappings for this model: qserve's or the registry's, minus any that would fold a scale
-    into a norm that scales by (1 + weight) (norms.py), None for the registry's own unchanged; and the
-    smooth layers left out."""
-    from llmcompressor.modifiers.transform.awq.dynamic_mappings import get_layer_mappings_from_model
-
-    from qserve.quantize.norms import without_offset_smoothing
-
-    mappings = awq_mappings(type(model).__name__) or get_layer_mappings_from_model(model)
-    kept, dropped = without_offset_smoothing(mappings, model)
-    return (kept if dropped else awq_mappings(type(model).__name__)), dropped
 
 
 def _quantizing_modifier(algorithm: str) -> type:
@@ -229,13 +231,13 @@ def run_oneshot(
     model = _load_model(model_path, trust_remote_code, distributed, offload)
     source_dtype = model.dtype
     _hold(model, _calibrating_dtype(model, texts, offloaded=distributed or offload is not None))
-    # Not offloaded: there memory is what is short, and a batch holds its layers' weights at once.
-    modifiers = build_modifiers(recipe, model, batch_gptq=offload is None)
     kwargs = _calibration_kwargs(recipe, texts, tokenizer)
     counter = experts.ExpertTokenCounter(model) if texts else None
     _no_pinned_memory_without_accelerator()
     try:
         with frozen_heap():
+            # Not offloaded: there memory is what is short, and a batch holds its layers' weights at once.
+            modifiers = build_modifiers(recipe, model, batch_gptq=offload is None)
             oneshot(model=model, recipe=modifiers, **kwargs)
     finally:
         if counter:
