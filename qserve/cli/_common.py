@@ -17,7 +17,12 @@ from qserve.errors import EXIT_ERROR, EXIT_GATE_FAILED, EXIT_GATE_INCONCLUSIVE, 
 
 ModelOpt = Annotated[
     str | None,
-    typer.Option("--model", "-m", help="Local HF checkpoint dir or hub id. Default: the embedded SmolLM2-135M-Instruct."),
+    typer.Option(
+        "--model",
+        "-m",
+        help="Local HF checkpoint dir, a .gguf file (converted once, its tokenizer checked), or hub id. "
+        "Default: the embedded SmolLM2-135M-Instruct.",
+    ),
 ]
 DataDirOpt = Annotated[
     Path | None,
