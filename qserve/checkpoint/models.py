@@ -97,13 +97,7 @@ def embedded_model_dir() -> Path:
     downcasts float32), so the gate's baseline is the same as from float32, to the bit; calibration
     then sees the model that is evaluated, at bfloat16's matmul rate (docs/gates.md has the figures).
     """
-    gguf = embedded_gguf()
-    target = cache_dir() / "models" / f"smollm2-135m-instruct-bf16-{_file_digest(gguf)[:12]}"
-    if (target / "config.json").is_file():
-        return target
-    with step(f"converting the embedded {EMBEDDED_ID} (GGUF, one-off) into {target}"):
-        _convert_gguf(gguf, target)
-    return target
+    return _converted(embedded_gguf(), "smollm2-135m-instruct", f"the embedded {EMBEDDED_ID}")
 
 
 def gguf_model_dir(gguf: Path) -> Path:
@@ -111,10 +105,15 @@ def gguf_model_dir(gguf: Path) -> Path:
     once into the cache with a checked tokenizer (gguf_tokenizer.py)."""
     if not _is_gguf(gguf):
         raise QserveError(f"{gguf} is not a GGUF file (it does not start with the GGUF magic)")
-    target = cache_dir() / "models" / f"{gguf.stem}-bf16-{_file_digest(gguf)[:12]}"
+    return _converted(gguf, gguf.stem, gguf.name)
+
+
+def _converted(gguf: Path, stem: str, label: str) -> Path:
+    """The cache's conversion of `gguf`, made first if it is not there (keyed by the file's content)."""
+    target = cache_dir() / "models" / f"{stem}-bf16-{_file_digest(gguf)[:12]}"
     if (target / "config.json").is_file():
         return target
-    with step(f"converting {gguf.name} (GGUF, one-off) into {target}"):
+    with step(f"converting {label} (GGUF, one-off) into {target}"):
         _convert_gguf(gguf, target)
     return target
 
