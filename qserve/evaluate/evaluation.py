@@ -152,9 +152,16 @@ def _look(plan: _Plan, options: EvalOptions) -> dict[str, Any]:
 
 def _travelled_history(plan: _Plan) -> list[dict[str, Any]]:
     """The looks the checkpoint's own record carries, when that record is of these weights."""
+    from qserve.checkpoint.manifest import EVAL_NAME
     from qserve.checkpoint.records import read_eval
 
-    look = (read_eval(plan.ckpt) or {}).get("look") or {}
+    try:
+        look = (read_eval(plan.ckpt) or {}).get("look") or {}
+    except QserveError:
+        raise QserveError(
+            f"{plan.ckpt / EVAL_NAME} is corrupt, so the looks at these weights it records cannot be counted; "
+            "remove it to evaluate again (the looks are then those of this cache's ledger)"
+        ) from None
     return (look.get("history") or []) if look.get("weights") == looks.weights_key(plan.manifest) else []
 
 
