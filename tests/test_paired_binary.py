@@ -109,3 +109,10 @@ def test_no_discordant_item_passes_from_the_n_the_score_gives() -> None:
     first = math.ceil(norm.ppf(FIRST) ** 2 * 0.95 / 0.05)
     assert not paired_binary.passes(0, 0, first - 3, 0.05, FIRST)
     assert paired_binary.passes(0, 0, first + 3, 0.05, FIRST)
+
+
+def test_an_allowance_of_zero_passes_only_a_model_that_gained_beyond_noise() -> None:
+    """max_drop 0: the test of theta >= 0 keeps its level too (p_lost = p_gained on the boundary)."""
+    z_pass, _ = paired_binary.critical_values(200, 0.0, FIRST)
+    assert max(_exact_size(200, 0.0, z_pass, p) for p in np.linspace(0.0, 0.5, 21)) <= FIRST
+    assert not paired_binary.passes(5, 5, 200, 0.0, FIRST) and paired_binary.passes(0, 20, 200, 0.0, FIRST)

@@ -73,7 +73,8 @@ def _boundary_distribution(n: int, delta: float, p_gained: float):
     keep = (b + c <= n) if p_tied > 0 else (b + c == n)
     b, c = b[keep], c[keep]
     tied = n - b - c
-    logp = gammaln(n + 1) - gammaln(b + 1) - gammaln(c + 1) - gammaln(tied + 1) + b * math.log(p_lost)
+    logp = gammaln(n + 1) - gammaln(b + 1) - gammaln(c + 1) - gammaln(tied + 1)
+    logp = logp + (b * math.log(p_lost) if p_lost > 0 else np.where(b > 0, -np.inf, 0.0))
     logp = logp + (c * math.log(p_gained) if p_gained > 0 else np.where(c > 0, -np.inf, 0.0))
     logp = logp + (tied * math.log(p_tied) if p_tied > 0 else 0.0)
     return score(b, c, n, delta), np.exp(logp)
