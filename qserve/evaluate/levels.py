@@ -187,7 +187,7 @@ def markdown(rows: list[dict[str, Any]], binary: list[dict[str, Any]], tails: li
     sizes = sorted({r["n"] for r in binary})
     for allowance in dict.fromkeys(r["allowance"] for r in binary):
         out += [
-            f"### Allowance {allowance * 100:g} points",
+            f"### Allowance {allowance * 100:g} point{'' if allowance == 0.01 else 's'}",
             "",
             "| items flipping each way | " + " | ".join(f"n={n}" for n in sizes) + " |",
         ]
