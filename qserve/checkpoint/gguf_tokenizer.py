@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-# Tokens per whitespace-separated word of PROBE: real subword tokenizers give about 1.4-1.6 (SmolLM2's,
-# and Gemma 3's as llama.cpp runs it), transformers' broken Gemma conversion 2.4 (tests/test_gguf.py).
+# Tokens per whitespace-separated word of PROBE that a real subword tokenizer gives: one splitting words
+# into letters or pairs of letters lands above (tests/test_gguf.py measures SmolLM2's, Gemma 3's and
+# transformers' broken Gemma conversion against it).
 TOKENS_PER_WORD = (1.0, 2.0)
 # English prose with numbers, as the shipped tasks have: what a converted tokenizer must round-trip.
 PROBE = (

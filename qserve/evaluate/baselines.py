@@ -109,8 +109,8 @@ def _read_json(path: Path) -> Any:
 # The worst a trained language model scores on English text, per corpus-level metric: beyond these
 # the baseline is not a working model (a broken tokenizer or weights), and nothing is gated against it.
 SANE = {
-    "word_perplexity": 1000.0,  # a unigram model of English words scores about 1,000; a 135M model about 36
-    "byte_perplexity": 8.0,  # 3 bits per byte; trained models give about 1.5-2.5
+    "word_perplexity": 1000.0,  # about what a unigram model of English words scores
+    "byte_perplexity": 8.0,  # 3 bits per byte
     "bits_per_byte": 3.0,  # the same bound, in bits
 }
 

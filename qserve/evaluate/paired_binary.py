@@ -10,7 +10,7 @@ test rejects H0: theta >= delta (the allowance) at one-sided level alpha.
 - Its critical value is exact and unconditional (Chan 1998, Statistics in Medicine 17:1403-1413):
   the largest z* with P(Z < z*) <= alpha for every p_gained on the null boundary, from the trinomial
   probabilities themselves. So the level holds at every n; the plain asymptotic score test is
-  slightly liberal at every n (its exact size reaches 3.05-3.6 % at a nominal 3.04 %).
+  slightly liberal at every n (tests/test_paired_binary.py sums its exact size).
 
 qserve's earlier bound, two Clopper-Pearson bounds combined by Bonferroni, kept its level by rarely
 deciding (docs/gate-levels.md shows the power of both). tests/test_gate_levels.py proves this one's
