@@ -3,10 +3,8 @@
 UV ?= $(shell command -v uv 2>/dev/null || echo python3 -m uv)
 DATA_DIR ?= $(abspath ../shared/data)
 export QSERVE_DATA_DIR ?= $(DATA_DIR)
-# Python caches compiled modules in .venv (ours to write): a machine image that sets
-# PYTHONDONTWRITEBYTECODE=1 (this kind of machine does) makes every process recompile all it imports.
-# Importing vLLM's server, llm-compressor, lm-eval and transformers took 21.5 s that way, 10.4 s
-# from the cache (fresh clone, 2026-11-26).
+# The libraries' bytecode is written at install (pyproject: compile-bytecode); qserve's own modules
+# cache theirs in the clone, which a machine image that sets PYTHONDONTWRITEBYTECODE=1 would forbid.
 unexport PYTHONDONTWRITEBYTECODE
 # The demo's gate: word perplexity on 100 GSM8K test solutions (README: "Why the demo gates on perplexity").
 RECIPE ?= recipes/w8a8-int8.yaml
@@ -42,11 +40,12 @@ test-fast: setup
 matrix: setup
 	$(UV) run --locked --extra cpu qserve matrix --out docs/architectures.md
 
-# The CLI reference, from the commands' own --help, and the benchmarks page, from the recorded results
-# (tests/test_cli.py fails when either is stale).
+# The CLI reference, from the commands' own --help, the benchmarks page, from the recorded results, and
+# the patch table (tests/test_cli.py and tests/test_compat.py fail when one is stale).
 docs: setup
 	$(UV) run --locked --extra cpu python -m qserve.cli.reference > docs/cli.md
-	$(UV) run --locked --extra cpu python -m qserve.benchmarks_page docs > docs/benchmarks.md
+	$(UV) run --locked --extra cpu python -m qserve.bench.page docs > docs/benchmarks.md
+	$(UV) run --locked --extra cpu python -m qserve.compat > docs/patches.md
 
 # qserve against the raw libraries on this machine, side by side; records the result in
 # docs/benchmarks/ and regenerates docs/benchmarks.md from every recorded machine.

@@ -17,9 +17,10 @@ from typing import Any
 import pytest
 
 from qserve.checkpoint.manifest import MANIFEST_NAME, Manifest
-from qserve.device import detect, support
-from qserve.evaluate import looks
+from qserve.device import detect
+from qserve.gate import looks
 from qserve.serve.server import free_port  # noqa: F401  (tests import it from here)
+from qserve.support import claims as support
 
 REPO = Path(__file__).resolve().parents[1]
 DATA_DIR = Path(os.environ.get("QSERVE_DATA_DIR", REPO.parent / "shared" / "data")).resolve()
@@ -111,7 +112,7 @@ def qserve_env() -> None:
         pytest.exit(f"GSM8K data not found under {DATA_DIR}; set QSERVE_DATA_DIR", returncode=2)
     os.environ["QSERVE_DATA_DIR"] = str(DATA_DIR)
     os.environ["QSERVE_CACHE_DIR"] = str(CACHE_DIR)
-    # The cache counts gate looks per weights (evaluate/looks.py), and the demo's weights are the same
+    # The cache counts gate looks per weights (gate/looks.py), and the demo's weights are the same
     # bytes every run: kept across sessions, the fifth `make test` on one checkout would gate them at its
     # fifth look (one-sided 99.88 %) and fail the demo. Each session starts with none, as a new user does.
     shutil.rmtree(looks.ledgers(), ignore_errors=True)
@@ -171,7 +172,7 @@ def run_qserve_in_process(*args: str, env: dict | None = None) -> subprocess.Com
 
 @pytest.fixture(scope="session")
 def embedded_model_dir() -> Path:
-    from qserve.checkpoint.models import resolve_model
+    from qserve.models.sources import resolve_model
 
     return resolve_model(None).path
 
@@ -241,7 +242,7 @@ def quantize_in_process(recipe: Path, out: Path) -> Path:
     checkpoints pay llm-compressor's and Quark's imports (~15 s and ~30 s) once, not once each.
     The CLI itself is tested in test_quantize; tune's search shows in-process runs give the same bits."""
     from qserve.quantize.pipeline import QuantizeOptions
-    from qserve.workflow import quantize_logged
+    from qserve.workflows.run import quantize_logged
 
     assert quantize_logged(recipe, QuantizeOptions(output=out)) == out
     assert (out / MANIFEST_NAME).is_file() and (out / "logs" / "quantize.log").is_file()
@@ -365,7 +366,8 @@ def assert_served_text_equals_the_eval_engines(server: Server, tokens: int = 16)
     from vllm import SamplingParams
 
     from qserve.checkpoint.manifest import read_manifest
-    from qserve.device import detect, engine
+    from qserve.device import detect
+    from qserve.engines import vllm as engine
 
     ckpt = server.ckpt
     with engine.open_engine(ckpt, read_manifest(ckpt).vllm_args, detect.detect_device(), ckpt.name) as lm:
@@ -420,7 +422,7 @@ class Server:
     def close(self) -> None:
         """SIGTERM: qserve's clean stop, vLLM's whole process group with it (after a SIGKILL the group's
         guard ends it too, but only after the grace period)."""
-        from qserve.process import GRACE_SECONDS
+        from qserve.runtime.process import GRACE_SECONDS
 
         self.timer.cancel()
         if self.proc.poll() is None:

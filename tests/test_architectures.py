@@ -56,7 +56,7 @@ def test_the_same_seed_gives_the_same_weights(tiny_models, tmp_path, embedded_mo
 def test_the_float16_refusals_are_vllms_own_table() -> None:
     import vllm.config.model as vllm_model
 
-    from qserve.device.support import _float16_refusals
+    from qserve.support.claims import _float16_refusals
 
     assert _float16_refusals() == vllm_model._FLOAT16_NOT_SUPPORTED_MODELS
     assert {"gemma2", "gemma3_text"} <= set(_float16_refusals())
@@ -289,7 +289,7 @@ def test_fused_experts_are_filled_exactly_as_transformers_own_converter_fuses_th
     import torch
     from transformers import AutoModelForCausalLM
 
-    from qserve.device.in_transformers import _fill_unquantized_experts
+    from qserve.engines.in_transformers import _fill_unquantized_experts
 
     model = AutoModelForCausalLM.from_pretrained(tiny_models[arch], dtype=torch.float32)
     fused = {
@@ -310,7 +310,7 @@ def test_a_weight_transformers_would_leave_at_random_init_is_an_error(tiny_model
     from safetensors.torch import load_file, save_file
 
     from qserve.checkpoint.manifest import read_manifest
-    from qserve.device.in_transformers import load_checked
+    from qserve.engines.in_transformers import load_checked
     from qserve.errors import QserveError
 
     out = tmp_path / "out"
@@ -386,17 +386,18 @@ def test_the_slice_quantizes_loads_agrees_and_serves(slice_cells, index) -> None
 
 
 @pytest.mark.slow
-def test_full_distributions_kept_as_arrays_are_vllms_own_lists(tiny_models) -> None:
-    """The matrix's engine call keeps vLLM's full-vocabulary rows as arrays (cells.rows_kept_as_arrays):
+def test_full_distributions_kept_as_arrays_are_vllms_own_lists(tiny_models, monkeypatch) -> None:
+    """The matrix's engine call keeps vLLM's full-vocabulary rows as arrays (the vllm-logprob-rows patch):
     the same engine, asked the same way without it, gives Python lists holding the same values, and
-    the same cumulative log-probability."""
+    the same cumulative log-probability; the matrix reads the same tables with the patch off."""
     import math
 
     import torch
 
     from qserve.checkpoint.manifest import VllmArgs
+    from qserve.compat import OFF, patched
     from qserve.device.detect import detect_device
-    from qserve.device.engine import open_engine
+    from qserve.engines.vllm import open_engine
     from qserve.matrix import cells
 
     model = tiny_models["gemma2"]
@@ -404,9 +405,12 @@ def test_full_distributions_kept_as_arrays_are_vllms_own_lists(tiny_models) -> N
     prompts, params = cells.PROMPTS[:3], cells.full_distribution_params(6)
     with open_engine(model, args, detect_device(), "gemma2", overrides={"max_logprobs": -1}) as lm:
         kept = cells.vllm_distributions(lm, vocab, prompts, max_tokens=6)
-        with cells.rows_kept_as_arrays():
+        with patched("vllm-logprob-rows"):
             cumulative = [o.outputs[0].cumulative_logprob for o in lm.model.generate(prompts, params, use_tqdm=False)]
         own = lm.model.generate(prompts, params, use_tqdm=False)  # vLLM's own way: Python lists
+        monkeypatch.setenv(OFF, "vllm-logprob-rows")
+        plain = cells.vllm_distributions(lm, vocab, prompts, max_tokens=6)
+    assert all(torch.equal(a, b) for a, b in zip(plain.logprobs, kept.logprobs, strict=True))
     for o, table, tokens, total in zip(own, kept.logprobs, kept.token_ids, cumulative, strict=True):
         flat = o.outputs[0].logprobs
         assert list(o.outputs[0].token_ids) == tokens and len(flat) == len(tokens) == 6
@@ -440,7 +444,7 @@ def moe_cells(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.skipif(AMX, reason="on an AMX CPU vLLM runs INT8 experts (the next test)")
 def test_vllm_cpu_without_amx_refuses_quantized_experts_with_the_message_the_support_table_names(moe_cells) -> None:
-    from qserve.device import support
+    from qserve.support import claims as support
 
     for column, cell in moe_cells.items():
         claim = support.CPU_MOE[MOE_CELLS[column]]
@@ -453,7 +457,7 @@ def test_vllm_cpu_without_amx_refuses_quantized_experts_with_the_message_the_sup
 def test_vllm_cpu_with_amx_runs_int8_experts_but_nothing_can_check_them(moe_cells) -> None:
     """Measured 2026-11-25 on an AMX Xeon: vLLM loads and generates with INT8 experts; transformers cannot
     load them to compare, so the cell is "unchecked" (never pass) and the support table does not say runs."""
-    from qserve.device import support
+    from qserve.support import claims as support
 
     fp8, int8 = moe_cells["fp8-dynamic"], moe_cells["w8a8-int8"]
     claim = support.support_for(*MOE_CELLS["fp8-dynamic"], "cpu", moe=True)
@@ -476,8 +480,8 @@ def test_transformers_builds_olmo2_after_vllm_ran_it_in_this_process(tiny_models
 
     from qserve.checkpoint.manifest import VllmArgs
     from qserve.device.detect import detect_device
-    from qserve.device.engine import greedy_completions, open_engine
-    from qserve.device.in_transformers import teacher_forced
+    from qserve.engines.in_transformers import teacher_forced
+    from qserve.engines.vllm import greedy_completions, open_engine
 
     path = tiny_models["olmo2"]
     with open_engine(path, VllmArgs(quantization=None, dtype="bfloat16"), detect_device(), "olmo2") as lm:

@@ -93,9 +93,9 @@ def test_the_cli_reference_page_is_the_commands_own_help() -> None:
 
 
 def test_the_benchmarks_page_is_made_from_the_recorded_results() -> None:
-    """docs/benchmarks.md is what `python -m qserve.benchmarks_page docs` makes from docs/benchmarks/*.json,
+    """docs/benchmarks.md is what `python -m qserve.bench.page docs` makes from docs/benchmarks/*.json,
     and each recorded result shows its command, date, commit and machine."""
-    from qserve.benchmarks_page import RESULTS, page
+    from qserve.bench.page import RESULTS, page
 
     text = (REPO / "docs" / "benchmarks.md").read_text()
     assert text == page(REPO / "docs"), "docs/benchmarks.md is stale: make docs"
@@ -120,7 +120,7 @@ def test_a_machine_type_on_hosts_of_two_speeds_keeps_two_records() -> None:
     """The record's file is named by the machine and its measured bfloat16 matmul rate as a power of two:
     the two hosts of one AMD EPYC CPUID (1,086 and 460 GFLOP/s measured) keep separate records, a host's
     own run-to-run spread keeps one, and every recorded file is named by its own content."""
-    from qserve.benchmarks_page import RESULTS, machine_key
+    from qserve.bench.page import RESULTS, machine_key
 
     machine = {"cpu": "AMD EPYC", "cpus": 2, "isa": ["avx512_bf16"]}
 

@@ -27,7 +27,7 @@ from conftest import (
 )
 
 from qserve.checkpoint.manifest import EVAL_NAME, read_manifest
-from qserve.evaluate import looks
+from qserve.gate import looks
 
 # What qserve itself prints on stderr; a library line (loguru, vLLM logging, tqdm, warnings) is none of these.
 QSERVE_LINE = re.compile(
@@ -114,8 +114,8 @@ def test_a_second_run_goes_straight_to_serving_and_ctrl_c_stops_it(demo_run: Dem
 def test_a_changed_recipe_or_gate_is_not_reused(demo_run: DemoRun, tmp_path: Path, monkeypatch) -> None:
     from qserve.evaluate import evaluation
     from qserve.evaluate.evaluation import EvalOptions, reusable_eval
-    from qserve.evaluate.gates import parse_cli_gates
-    from qserve.workflow import why_stale
+    from qserve.gate.decisions import parse_cli_gates
+    from qserve.workflows.run import why_stale
 
     recipe = REPO / DEMO_RECIPE
     assert why_stale(demo_run.ckpt, recipe, None, DATA_DIR, False) is None
@@ -172,7 +172,7 @@ def test_reproduce_is_bit_exact_and_names_what_differs(tiny_model: Path, tmp_pat
 CAPTURED = r"""
 import os, sys, subprocess
 from pathlib import Path
-from qserve.capture import library_output
+from qserve.runtime.capture import library_output
 from qserve.cli._common import user_errors
 from qserve.progress import info
 

@@ -20,9 +20,9 @@ from conftest import (
 
 from qserve.checkpoint.card import CARD_NAME, gate_rows
 from qserve.checkpoint.manifest import EVAL_NAME, LM_EVAL_RESULTS_NAME, hash_files, read_manifest, write_manifest
-from qserve.checkpoint.spending import min_items
-from qserve.evaluate import looks
 from qserve.evaluate.reports import REPORT_NAME
+from qserve.gate import looks
+from qserve.gate.spending import min_items
 
 
 @pytest.mark.slow
@@ -55,7 +55,7 @@ def test_eval_writes_results_and_passes(passed_eval) -> None:
     assert summary["engine_args"]["baseline"]["dtype"] == "auto"  # as vLLM serves the source model (bfloat16: test_demo)
     # Both sides scored by qserve's lm-eval class, named with the hash of its source (as the baseline key is).
     name, source_sha = summary["scoring"].split(":")
-    assert name == "qserve.device.engine.lm_eval_vllm_class" and len(source_sha) == 16
+    assert name == "qserve.engines.vllm.lm_eval_vllm_class" and len(source_sha) == 16
 
 
 @pytest.mark.slow

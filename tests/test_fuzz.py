@@ -153,7 +153,7 @@ def test_fuzzed_gate_specs_end_in_one_error_line(work: Path, specs: list[str]) -
 
 
 def _vllm_flags() -> list[str]:
-    from qserve.device.flags import _serve_parser
+    from qserve.engines.flags import _serve_parser
 
     return sorted({s for a in _serve_parser()._actions for s in a.option_strings})
 

@@ -184,7 +184,7 @@ def test_gate_finds_output_path_json_runs_and_picks_the_newest_results_by_date(t
 def test_looks_from_an_earlier_record_continue_its_history(tmp_path: Path) -> None:
     """The same runs again are the same look; more items are look 2, at a smaller level; an edited
     history is refused."""
-    from qserve.evaluate import looks
+    from qserve.gate import looks
 
     b, q, *_ = _pair(tmp_path)
     first = tmp_path / "gate-1.json"

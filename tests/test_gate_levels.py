@@ -2,7 +2,7 @@
 
 At exactly the allowance a one-sided 95 % bound may pass at most 5 % of samples; the test allows
 three Monte-Carlo standard errors on top. The shapes span near-constant to strongly skewed and
-heavy-tailed per-item losses (qserve/evaluate/levels.py). A bound that is too optimistic at any
+heavy-tailed per-item losses (qserve/gate/levels.py). A bound that is too optimistic at any
 n, for any shape, fails here: the BCa bootstrap qserve used before passed lognormal-1.5 samples
 at n = 100 about 19 % of the time.
 """
@@ -16,8 +16,8 @@ import math
 import numpy as np
 import pytest
 
-from qserve.checkpoint.spending import min_items
-from qserve.evaluate import levels, looks, paired_binary, stats
+from qserve.gate import levels, looks, paired_binary, stats
+from qserve.gate.spending import min_items
 
 DRAWS = 2000
 

@@ -11,9 +11,10 @@ from scipy.stats import norm, ttest_rel
 from scipy.stats import t as t_dist
 
 from qserve.errors import QserveError
-from qserve.evaluate.gates import Bounds, Comparison, GateSpec, decide, parse_cli_gates, recovery, verdict
-from qserve.evaluate.stats import aggregate, compare, item_values
 from qserve.evaluate.tasks import get_tasks
+from qserve.gate.decisions import Bounds, Comparison, decide, parse_cli_gates, recovery, verdict
+from qserve.gate.policy import GateSpec
+from qserve.gate.stats import aggregate, compare, item_values
 from qserve.quantize.recipe import parse_recipe
 
 

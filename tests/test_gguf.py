@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from conftest import DATA_DIR
 
-from qserve.checkpoint import gguf_tokenizer, models
+from qserve.models import gguf_tokenizer
+from qserve.models import sources as models
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""glibc's heap kept around qserve's engines (heap.allocations_kept), measured in page faults."""
+"""glibc's heap kept around qserve's engines (the glibc-heap-kept patch, qserve.compat.glibc), measured in page faults."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ PAGES = MIB * 1024 * 1024 // os.sysconf("SC_PAGE_SIZE")  # what touching one all
 # writes every byte and frees it; the page faults and resident size of each step are printed.
 ROUNDS = """
 import ctypes, json, resource
-from qserve.heap import allocations_kept
+from qserve.compat.glibc import allocations_kept
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 

@@ -10,20 +10,31 @@ from pathlib import Path
 from conftest import REPO
 
 PACKAGE = REPO / "qserve"
-BASE = {"errors", "paths", "progress", "capture", "process", "scratch", "heap", "bytecode", "priority", "__init__"}
-TOOLS = {"cli", "compare", "bench_suite", "bench_throughput", "benchmarks_page", "workflow", "reproduce"}
-# part -> the parts it may import (lazy imports inside functions count too).
+BASE = {"errors", "paths", "progress", "runtime", "__init__"}
+# part -> the parts it may import (lazy imports inside functions count too), from the bottom up.
 ALLOWED = {
     "base": {"base"},
-    "checkpoint": {"base", "checkpoint"},
-    "device": {"base", "checkpoint", "device"},
-    "evaluate": {"base", "checkpoint", "device", "evaluate"},
-    "quantize": {"base", "checkpoint", "device", "evaluate", "quantize"},  # evaluate: the recipe's gate schema
-    "serve": {"base", "checkpoint", "device", "serve"},
-    "tune": {"base", "checkpoint", "device", "evaluate", "quantize", "tune"},
-    "matrix": {"base", "checkpoint", "device", "quantize", "serve", "matrix"},  # no evaluate: it gates nothing
-    "tools": {"base", "checkpoint", "device", "evaluate", "quantize", "serve", "tune", "matrix", "tools"},
+    "schemes": {"base"},
+    "device": {"base"},
+    "checkpoint": {"base", "schemes"},
+    "compat": {"base", "device"},
+    "models": {"base", "checkpoint"},
+    "gate": {"base", "checkpoint", "device"},
+    "engines": {"base", "checkpoint", "compat", "device"},
+    "support": {"base", "schemes", "checkpoint", "device", "engines"},
+    "evaluate": {"base", "schemes", "checkpoint", "device", "models", "gate", "engines", "support"},
+    "serve": {"base", "checkpoint", "device", "gate", "engines", "support"},  # never the eval stack
+    "quantize": {"base", "schemes", "checkpoint", "device", "models", "gate", "engines", "support"},
+    "matrix": {"base", "schemes", "checkpoint", "device", "models", "engines", "support", "quantize", "serve"},  # gates nothing
+    "workflows": {"base", "schemes", "checkpoint", "device", "models", "gate", "engines", "support", "evaluate", "quantize"},
+    "tune": {"base", "schemes", "checkpoint", "device", "models", "gate", "support", "evaluate", "quantize", "workflows"},
+    "bench": {"base", "checkpoint", "compat", "device", "models", "engines", "evaluate", "quantize", "serve"},
 }
+ALLOWED["cli"] = set(ALLOWED) | {"cli"}
+for _part_name, _deps in ALLOWED.items():
+    _deps.add(_part_name)
+    if "engines" in _deps or _part_name == "models":  # the patches, for every part that runs a library
+        _deps.add("compat")
 
 
 def _module(path: Path) -> str:
@@ -33,9 +44,7 @@ def _module(path: Path) -> str:
 
 def _part(module: str) -> str:
     parts = module.split(".")
-    if len(parts) == 1 or parts[1] in BASE:
-        return "base"
-    return "tools" if parts[1] in TOOLS else parts[1]
+    return "base" if len(parts) == 1 or parts[1] in BASE else parts[1]
 
 
 def _imports(path: Path) -> set[str]:
@@ -85,14 +94,14 @@ def test_no_import_cycles() -> None:
 
 def test_the_folders_name_the_parts() -> None:
     folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
-    assert folders == {"checkpoint", "device", "evaluate", "quantize", "serve", "tune", "matrix", "cli"}
+    assert folders == set(ALLOWED) - {"base"} | {"runtime"}
     flat = {p.stem for p in PACKAGE.glob("*.py")}
-    assert flat | {"cli"} == BASE | TOOLS
+    assert flat == BASE - {"runtime"}
 
 
 def test_serving_and_inspection_load_no_evaluation_stack() -> None:
     code = (
-        "import sys, qserve.serve.server, qserve.serve.plan, qserve.serve.bench, qserve.checkpoint.inspection\n"
+        "import sys, qserve.serve.server, qserve.serve.plan, qserve.bench.load, qserve.workflows.inspection\n"
         "print(sorted(m for m in sys.modules if m.startswith(('lm_eval', 'qserve.evaluate', 'vllm', 'torch'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)

@@ -14,9 +14,10 @@ import pytest
 from conftest import DATA_DIR, copy_tokenizer, run_qserve, run_qserve_in_process
 
 from qserve.checkpoint.manifest import read_manifest
-from qserve.device import detect, support
+from qserve.device import detect
 from qserve.quantize.calibration import load_texts
 from qserve.quantize.recipe import load_recipe
+from qserve.support import claims as support
 
 EXPERTS, PER_TOKEN, LAYERS = 8, 1, 2
 NEVER_ROUTED = EXPERTS - 1
@@ -85,7 +86,7 @@ def moe_model(tmp_path_factory, embedded_model_dir) -> Path:
 @pytest.fixture(scope="module")
 def moe_ckpt(moe_model, tmp_path_factory) -> Path:
     from qserve.quantize.pipeline import QuantizeOptions
-    from qserve.workflow import quantize_logged
+    from qserve.workflows.run import quantize_logged
 
     root = tmp_path_factory.mktemp("moe-ckpt")
     out = root / "out"
@@ -149,7 +150,9 @@ def test_moe_checkpoint_is_evaluated_emulated_and_refused_by_serve(moe_ckpt) -> 
     """Both sides run through transformers (vLLM cannot run W4A16 experts here); the random baseline
     is then refused as no working language model before any gate, and serve refuses the scheme."""
     gate = "gsm8k_ppl:max_increase=1000000"
-    proc = run_qserve_in_process("eval", moe_ckpt, "--tasks", "gsm8k_ppl", "--limit", "3", "--gate", gate, "--json")
+    proc = run_qserve_in_process(
+        "eval", moe_ckpt, "--tasks", "gsm8k_ppl", "--limit", "3", "--gate", gate, "--refresh-baseline", "--json"
+    )
     claim = support.vllm_support(read_manifest(moe_ckpt), "cpu")
     assert not claim.runs
     lines = proc.stderr.strip().splitlines()

@@ -13,9 +13,10 @@ import pytest
 from scipy.optimize import minimize_scalar
 from scipy.stats import beta, multinomial, norm
 
-from qserve.evaluate import looks, paired_binary
-from qserve.evaluate.gates import GateSpec, decide
-from qserve.evaluate.stats import compare
+from qserve.gate import looks, paired_binary
+from qserve.gate.decisions import decide
+from qserve.gate.policy import GateSpec
+from qserve.gate.stats import compare
 
 FIRST = looks.level(1)
 

@@ -15,8 +15,8 @@ from conftest import gate_record as _gate
 from conftest import make_keys, run_qserve_in_process, small_manifest
 
 from qserve.checkpoint.manifest import CARD_NAME, EVAL_NAME, hash_files, manifest_digest, write_manifest
-from qserve.checkpoint.policy import MIN_ITEMS, Policy, differences, read_policy, recipe_policy
 from qserve.errors import QserveError
+from qserve.gate.policy import MIN_ITEMS, Policy, differences, read_policy, recipe_policy
 
 RECIPE = {"name": "r", "gates": {"gsm8k_ppl": 0.95, "gsm8k": 0.95}}
 
@@ -184,7 +184,7 @@ def test_a_tune_search_record_is_no_gate(tmp_path: Path) -> None:
     ],
 )
 def test_an_eval_record_outside_its_schema_is_refused_in_one_line(tmp_path: Path, edit: dict, message: str) -> None:
-    from qserve.checkpoint.records import check_gate
+    from qserve.gate.records import check_gate
 
     ckpt = _checkpoint(tmp_path, [_gate("gsm8k_ppl"), _gate("gsm8k")])
     record = json.loads((ckpt / EVAL_NAME).read_text())

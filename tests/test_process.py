@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import QSERVE, REPO, free_port, needs_vllm
 
-from qserve.process import GRACE_SECONDS, group_members
+from qserve.runtime.process import GRACE_SECONDS, group_members
 
 GRACE = 3.0  # the stand-in server's grace period (seconds)
 
@@ -214,15 +214,15 @@ def _children(pid: int) -> tuple[int, int]:
     """qserve's two children: vLLM's API server (the group's leader) and the group's guard."""
     children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     cmdlines = {c: Path(f"/proc/{c}/cmdline").read_bytes() for c in children}
-    server = [c for c, line in cmdlines.items() if b"qserve.device.vllm_cli" in line]
-    guard = [c for c, line in cmdlines.items() if b"from qserve.process import guard" in line]
+    server = [c for c, line in cmdlines.items() if b"qserve.engines.vllm_cli" in line]
+    guard = [c for c, line in cmdlines.items() if b"from qserve.runtime.process import guard" in line]
     assert len(children) == 2 and len(server) == len(guard) == 1, cmdlines
     return server[0], guard[0]
 
 
 def test_probe_runs_in_its_own_group_and_reports_a_crash(tmp_path: Path) -> None:
     """doctor --probe runs in its own process group too; an unreadable checkpoint is a verdict, not a hang."""
-    from qserve.device.probe import probe
+    from qserve.support.probe import probe
 
     (tmp_path / "qserve_manifest.json").write_text(json.dumps({"not": "a manifest"}))
     from qserve.errors import QserveError
@@ -236,7 +236,7 @@ def test_probe_runs_in_its_own_group_and_reports_a_crash(tmp_path: Path) -> None
 IN_PROCESS = r"""
 import sys, time
 from qserve.cli import _user_errors
-from qserve.process import bounded_in_process_stop
+from qserve.runtime.process import bounded_in_process_stop
 
 @_user_errors
 def work(mode):

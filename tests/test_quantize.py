@@ -38,7 +38,7 @@ def test_embedded_model_holds_the_ggufs_own_dequantized_weights_in_bfloat16(embe
     import torch
     from safetensors.torch import load_file
 
-    from qserve.checkpoint.models import embedded_gguf
+    from qserve.models.sources import embedded_gguf
 
     tensors = {t.name: t for t in gguf.GGUFReader(embedded_gguf()).tensors}
     converted = load_file(embedded_model_dir / "model.safetensors")
@@ -224,7 +224,7 @@ def test_publish_replaces_only_with_force_and_only_when_complete(tmp_path: Path)
 
 
 def test_a_killed_runs_leftovers_are_removed_and_a_moved_checkpoint_restored(tmp_path: Path) -> None:
-    from qserve.scratch import clean_stale
+    from qserve.runtime.scratch import clean_stale
 
     ended = subprocess.Popen(["true"])
     ended.wait()
@@ -526,7 +526,7 @@ def test_without_a_bfloat16_kernel_calibration_runs_in_float32_and_the_checkpoin
 
     from qserve.device import detect
     from qserve.quantize.pipeline import QuantizeOptions
-    from qserve.workflow import quantize_logged
+    from qserve.workflows.run import quantize_logged
 
     tensors = {}
     for flags, calibrated_in in (({"avx2"}, "float32"), ({"avx2", "avx512f", "avx512_bf16"}, "bfloat16")):

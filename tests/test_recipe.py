@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from conftest import REPO, run_qserve
 
-from qserve.checkpoint.schemes import SCHEMES
 from qserve.errors import QserveError
 from qserve.quantize.recipe import load_recipe, parse_recipe
+from qserve.schemes.catalog import SCHEMES
 
 VALID = """\
 name: t
@@ -90,9 +90,9 @@ def test_unknown_backend_lists_choices() -> None:
 def test_every_registered_backend_implements_the_runner_interface_and_names_its_schemes() -> None:
     import inspect
 
-    from qserve.checkpoint.backends import BACKENDS
-    from qserve.checkpoint.schemes import SCHEMES
     from qserve.quantize.backends import BackendRunner, runner
+    from qserve.schemes.backends import BACKENDS
+    from qserve.schemes.catalog import SCHEMES
 
     wanted = {name: inspect.signature(getattr(BackendRunner, name)) for name in ("quantize", "exported_scheme")}
     for name in BACKENDS:
@@ -104,7 +104,7 @@ def test_every_registered_backend_implements_the_runner_interface_and_names_its_
 
 
 def test_a_backend_registered_twice_is_refused() -> None:
-    from qserve.checkpoint.backends import BACKENDS, register_backend
+    from qserve.schemes.backends import BACKENDS, register_backend
 
     with pytest.raises(ValueError, match="^backend 'quark' is registered twice$"):
         register_backend(BACKENDS["quark"])

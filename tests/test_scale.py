@@ -284,7 +284,8 @@ def _check_scales_from_source(w, scale, group: int) -> None:
 
 
 def _check_vllm_runs(ckpt: Path) -> None:
-    from qserve.device import detect, engine
+    from qserve.device import detect
+    from qserve.engines import vllm as engine
 
     manifest = read_manifest(ckpt)
     with engine.open_engine(ckpt, manifest.vllm_args, detect.detect_device(), ckpt.name) as lm:
@@ -422,8 +423,8 @@ DDP_ERROR_RATIO = (0.97, 1.03)
 def test_parallel_options_reach_the_engine_keywords() -> None:
     from qserve.checkpoint.manifest import VllmArgs
     from qserve.cli._common import parallel_args
-    from qserve.device import engine
     from qserve.device.detect import Device
+    from qserve.engines import vllm as engine
 
     args = VllmArgs(quantization="compressed-tensors", kv_cache_dtype="auto", dtype="bfloat16")
     one_node = Device("cuda", "8 GPUs").with_parallel(parallel_args(8, 1, 1, None))

@@ -298,7 +298,7 @@ def test_every_allowed_family_works_on_a_real_server(production_server) -> None:
     import httpx
     from openai import OpenAI
 
-    from qserve.device.passthrough import PASS_THROUGH
+    from qserve.engines.passthrough import PASS_THROUGH
 
     srv, cert = production_server, str(production_server.cert)
     assert set(srv.families) == set(PASS_THROUGH)
@@ -331,12 +331,12 @@ def test_sigkill_of_a_ready_server_leaves_no_process_and_frees_the_port(producti
     (last in this module: it ends the shared server)."""
     import time
 
-    from qserve.process import GRACE_SECONDS, group_members
+    from qserve.runtime.process import GRACE_SECONDS, group_members
     from qserve.serve.server import ensure_port_free
 
     proc = production_server.proc
     children = [int(c) for c in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
-    (server,) = [c for c in children if b"qserve.device.vllm_cli" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    (server,) = [c for c in children if b"qserve.engines.vllm_cli" in Path(f"/proc/{c}/cmdline").read_bytes()]
     roles = sorted(_role(Path(f"/proc/{pid}/cmdline").read_bytes()) for pid in group_members(server))
     # The worker runs inside the engine core, forked from the API server: a spawned one would come with
     # Python's resource tracker beside it (and import vLLM again).
@@ -354,7 +354,7 @@ def _role(cmdline: bytes) -> str:
     """What a process of the served group is, from its command line: vLLM's API server, its engine core,
     or the resource tracker Python's spawn start method runs beside them."""
     for marker, role in (
-        (b"qserve.device.vllm_cli", "API server"),
+        (b"qserve.engines.vllm_cli", "API server"),
         (b"VLLM::EngineCore", "engine core"),  # the title vLLM gives the engine core's process
         (b"multiprocessing.resource_tracker", "resource tracker"),
     ):

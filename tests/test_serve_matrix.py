@@ -13,9 +13,11 @@ import pytest
 from conftest import FP8_PARITY, PROMPT, Server, assert_served_text_equals_the_eval_engines, matrix_cells, needs_vllm
 
 from qserve.checkpoint.manifest import read_manifest
-from qserve.checkpoint.schemes import SCHEMES
-from qserve.device import detect, engine, support
+from qserve.device import detect
+from qserve.engines import vllm as engine
 from qserve.evaluate import parity
+from qserve.schemes.catalog import SCHEMES
+from qserve.support import claims as support
 
 # recipe -> the matrix entry it proves in the serve column
 SERVABLE = {

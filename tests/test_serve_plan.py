@@ -8,10 +8,10 @@ import pytest
 from conftest import ALLOWED_USES, REPO, run_qserve_in_process, small_manifest
 
 from qserve.checkpoint.manifest import Manifest, VllmArgs
-from qserve.device import support
 from qserve.device.detect import Device
 from qserve.errors import QserveError
 from qserve.serve.plan import Endpoint, plan
+from qserve.support import claims as support
 
 CPU = Device("cpu", "test")
 GPU = Device("cuda", "test GPU")
@@ -37,7 +37,7 @@ def flags(cmd: list[str]) -> dict[str, str | None]:
 def test_matched_arguments_and_loopback_default(tmp_path: Path) -> None:
     p = plan(tmp_path / "ck", manifest(), CPU, Endpoint())
     f = flags(p.command)
-    assert p.command[1:5] == ["-m", "qserve.device.vllm_cli", "serve", str((tmp_path / "ck").resolve())]
+    assert p.command[1:5] == ["-m", "qserve.engines.vllm_cli", "serve", str((tmp_path / "ck").resolve())]
     assert (f["--quantization"], f["--kv-cache-dtype"], f["--dtype"]) == ("compressed-tensors", "auto", "bfloat16")
     assert (f["--host"], f["--port"]) == ("127.0.0.1", "8000")
     assert "--enforce-eager" in f and "--kv-cache-memory-bytes" in f  # CPU engine settings, as in eval
@@ -126,7 +126,7 @@ def test_capacity_and_placement_flags_pass_through(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("family", sorted(ALLOWED_USES))
 def test_each_allowed_family_passes_through(tmp_path: Path, family: str) -> None:
-    from qserve.device.passthrough import PASS_THROUGH
+    from qserve.engines.passthrough import PASS_THROUGH
 
     assert set(ALLOWED_USES) == set(PASS_THROUGH)  # every family has its use here
     p = plan(tmp_path / "ck", manifest(), CPU, Endpoint(), extra_args=ALLOWED_USES[family])
@@ -134,7 +134,7 @@ def test_each_allowed_family_passes_through(tmp_path: Path, family: str) -> None
 
 
 def test_qserve_run_refuses_before_work_what_serve_would_refuse(tmp_path: Path) -> None:
-    from qserve.device.passthrough import ALLOWED
+    from qserve.engines.passthrough import ALLOWED
     from qserve.serve.plan import PLANNED_BY_QSERVE, _options, check_before_work
 
     # Every setting qserve plans itself is in the set the early check leaves to plan time.
@@ -150,7 +150,7 @@ def test_qserve_run_refuses_before_work_what_serve_would_refuse(tmp_path: Path) 
 
 
 def test_only_allowed_environment_reaches_vllm() -> None:
-    from qserve.device.passthrough import served_environment
+    from qserve.engines.passthrough import served_environment
 
     env = served_environment(
         {
@@ -244,7 +244,7 @@ def test_non_loopback_without_a_key_is_warned_about(capsys) -> None:
 
 def test_cuda_engine_arguments_and_environment(tmp_path: Path, monkeypatch) -> None:
     """The GPU path, checked without a GPU: what qserve hands vllm.LLM and the environment it sets."""
-    from qserve.device import engine
+    from qserve.engines import vllm as engine
 
     args = VllmArgs(quantization="compressed-tensors", kv_cache_dtype="fp8", dtype="bfloat16")
     kw = engine.engine_kwargs(tmp_path / "ck", args, GPU)
@@ -287,13 +287,13 @@ def test_cuda_engine_arguments_and_environment(tmp_path: Path, monkeypatch) -> N
     assert plan(tmp_path / "ck", manifest(), CPU, Endpoint()).env["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
     monkeypatch.delitem(qserve.STARTUP_ENVIRONMENT, "VLLM_WORKER_MULTIPROC_METHOD")
     # ... and a `qserve serve` started in that environment (as `qserve bench --suite` starts one) passes all of it on.
-    from qserve.device.passthrough import served_environment
+    from qserve.engines.passthrough import served_environment
 
     assert served_environment(cpu_env) == cpu_env
 
 
 def test_qserve_run_refuses_before_work_a_scheme_serve_would_refuse_here(tmp_path: Path, monkeypatch) -> None:
-    """On CPU flags without VNNI or AMX-INT8, INT8 W8A8 is not served (device/support.py): `qserve run`
+    """On CPU flags without VNNI or AMX-INT8, INT8 W8A8 is not served (support/claims.py): `qserve run`
     says so in one line before it quantizes anything, instead of after quantizing and evaluating."""
     from qserve.device import detect
 

@@ -13,8 +13,9 @@ import pytest
 from conftest import gate_record, make_keys, run_qserve, small_manifest
 
 from qserve.checkpoint.manifest import EVAL_NAME, SIGNATURE_NAME, hash_files, manifest_digest, write_manifest
-from qserve.checkpoint.signing import sign, verify
+from qserve.checkpoint.signing import verify
 from qserve.errors import QserveError
+from qserve.gate.records import sign
 
 
 def _gated_checkpoint(root: Path, verdict: str = "pass") -> Path:

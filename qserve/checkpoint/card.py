@@ -6,8 +6,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from qserve.checkpoint.backends import backend_writing
 from qserve.checkpoint.manifest import CARD_NAME, Manifest
+from qserve.schemes.backends import backend_writing
 
 __all__ = ["CARD_NAME", "front_matter", "gate_rows", "md_table", "model_card", "text_table", "vllm_serve_command"]
 

@@ -15,21 +15,16 @@ import os
 import re
 from pathlib import Path
 
-from qserve.checkpoint.manifest import RECORD_DIRS, SIGNATURE_NAME, read_manifest, verify_files
-from qserve.checkpoint.records import check_gate
+from qserve.checkpoint.manifest import RECORD_DIRS, SIGNATURE_NAME
 from qserve.errors import QserveError
 
 # Relative to the checkpoint; recorded in the signed statement, so a verifier sees the same list.
 UNSIGNED = (SIGNATURE_NAME, *sorted(RECORD_DIRS))
 
 
-def sign(
-    ckpt: Path, private_key: Path, password: str | None = None, policy: Path | None = None, accept_gate_difference: bool = False
-) -> Path:
-    """Sign a checkpoint whose files match its manifest and whose gate passed and meets its policy;
-    returns the signature path."""
-    verify_files(ckpt, read_manifest(ckpt))
-    check_gate(ckpt, policy, accept_gate_difference, by="sign")
+def write_signature(ckpt: Path, private_key: Path, password: str | None = None) -> Path:
+    """Sign every file of the checkpoint as it stands (the caller has checked what must hold first:
+    `qserve.gate.records.sign`); returns the signature path."""
     _readable(private_key, "--private-key")
     from model_signing import signing
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from qserve.checkpoint.manifest import refuse_special_files
 from qserve.paths import cache_dir
-from qserve.scratch import clean_stale, scratch_dir
+from qserve.runtime.scratch import clean_stale, scratch_dir
 
 
 @contextmanager

@@ -6,7 +6,6 @@ import sys
 
 import typer
 
-from qserve import bytecode
 from qserve.cli import checkpoint, evaluate, gate, matrix, quantize, run, serve, tools, tune
 from qserve.cli._common import user_errors as _user_errors  # noqa: F401  (tests drive it directly)
 
@@ -25,11 +24,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
-
-
-@app.callback()
-def _before_any_command() -> None:
-    bytecode.warm_in_background()  # a no-op once this environment's dependencies are compiled
 
 
 # Extra arguments only after `--` (they go to vLLM); an unknown option before it is a typo, not a pass-through.

@@ -11,9 +11,9 @@ from typing import Annotated, Any
 
 import typer
 
-from qserve.capture import library_output  # noqa: F401  (the commands' log capture)
-from qserve.checkpoint.spending import MIN_ITEMS
 from qserve.errors import EXIT_ERROR, EXIT_GATE_FAILED, EXIT_GATE_INCONCLUSIVE, QserveError, Stopped
+from qserve.gate.spending import MIN_ITEMS
+from qserve.runtime.capture import library_output  # noqa: F401  (the commands' log capture)
 
 ModelOpt = Annotated[
     str | None,

@@ -23,7 +23,7 @@ def inspect(
     Example:
       qserve inspect out-w8a8-int8 --json
     """
-    from qserve.checkpoint.inspection import format_inspection, inspect_checkpoint
+    from qserve.workflows.inspection import format_inspection, inspect_checkpoint
 
     info = inspect_checkpoint(checkpoint)
     typer.echo(json.dumps(info, indent=2) if as_json else format_inspection(info))
@@ -52,7 +52,7 @@ def sign(
       qserve sign out-w8a8-int8 --private-key key.pem
       qserve serve out-w8a8-int8 --verify-key key.pub
     """
-    from qserve.checkpoint.signing import sign as run
+    from qserve.gate.records import sign as run
 
     password = os.environ.get(password_env) if password_env else None
     typer.echo(str(run(checkpoint, private_key, password, policy, accept_gate_difference)))

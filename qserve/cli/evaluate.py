@@ -74,9 +74,9 @@ def eval_(
       qserve eval out-llama-70b-w4a16 --tasks gsm8k -tp 8 -pp 2 --distributed-executor-backend ray
     """
     from qserve.evaluate.evaluation import EvalOptions
-    from qserve.evaluate.gates import parse_cli_gates
     from qserve.evaluate.reports import format_table
-    from qserve.workflow import evaluate_logged
+    from qserve.gate.decisions import parse_cli_gates
+    from qserve.workflows.run import evaluate_logged
 
     options = EvalOptions(
         tasks=split(tasks),

@@ -44,9 +44,9 @@ def gate(
       qserve gate runs/base runs/quant --gate gsm8k:max_drop=0.02 --out gate-1.json
       qserve gate runs/base-1000 runs/quant-1000 --gate gsm8k:max_drop=0.02 --looks-from gate-1.json
     """
-    from qserve.checkpoint.records import write_json
-    from qserve.evaluate.external import format_report, gate_runs
-    from qserve.evaluate.gates import parse_cli_gates
+    from qserve.gate.decisions import parse_cli_gates
+    from qserve.gate.external import format_report, gate_runs
+    from qserve.gate.records import write_json
 
     summary = gate_runs(baseline, quantized, parse_cli_gates(gate or []), split(tasks), looks_from)
     if out is not None:
@@ -72,13 +72,13 @@ def gate_levels(
     Example:
       qserve gate-levels --out docs/gate-levels.md
     """
-    from qserve.evaluate.levels import markdown, provenance, simulate, simulate_binary, tail_rows
+    from qserve.gate.levels import markdown, provenance, simulate, simulate_binary, tail_rows
     from qserve.progress import step
 
     with step("simulating the gate's bounds"):
         page = markdown(simulate(draws), simulate_binary(draws), tail_rows(draws), provenance(draws))
     if out is not None:
-        from qserve.checkpoint.records import write_text
+        from qserve.gate.records import write_text
 
         write_text(out, page + "\n")
     typer.echo(page)

@@ -75,7 +75,7 @@ def matrix(
         record = {"provenance": provenance(archs, columns, serve), "served": serve, "cells": [c.record() for c in results]}
     page = markdown(record["cells"], record["provenance"], record["served"])
     if out is not None:
-        from qserve.checkpoint.records import write_text
+        from qserve.gate.records import write_text
 
         write_text(out, page + "\n")
         write_text(out.with_suffix(".json"), json.dumps(record, indent=1) + "\n")

@@ -57,7 +57,7 @@ def quantize(
       qserve quantize recipes/w4a16-gptq.yaml --model /shared/llama-70b --nproc 8 --nnodes 2 --rdzv-endpoint node0:29500
     """
     from qserve.quantize.pipeline import QuantizeOptions
-    from qserve.workflow import quantize_logged
+    from qserve.workflows.run import quantize_logged
 
     nodes = {"nnodes": nnodes, "rdzv_endpoint": rdzv_endpoint} if nnodes > 1 else {}
     options = QuantizeOptions(
@@ -93,8 +93,8 @@ def reproduce(
       qserve reproduce out-w8a8-int8
     """
     from qserve.paths import log_file
-    from qserve.reproduce import format_reproduction
-    from qserve.reproduce import reproduce as run
+    from qserve.workflows.reproduce import format_reproduction
+    from qserve.workflows.reproduce import reproduce as run
 
     with library_output(log_file(checkpoint, "reproduce"), verbose):
         result = run(checkpoint, data_dir=data_dir, keep=keep)

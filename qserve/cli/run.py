@@ -67,11 +67,11 @@ def run(
       qserve run recipes/w4a16-gptq.yaml --tasks gsm8k_ppl --limit 100 --port 8001 -- --max-num-seqs 8
     """
     from qserve.evaluate.evaluation import EvalOptions
-    from qserve.evaluate.gates import parse_cli_gates
     from qserve.evaluate.reports import format_table
+    from qserve.gate.decisions import parse_cli_gates
     from qserve.serve.plan import Endpoint, check_before_work
     from qserve.serve.server import ensure_port_free, serve, warm_server
-    from qserve.workflow import check_servable_here, checkpoint_for, gate_for
+    from qserve.workflows.run import check_servable_here, checkpoint_for, gate_for
 
     gates = parse_cli_gates(gate or [])
     check_before_work(list(ctx.args))  # the serve step's options and environment, before any work

@@ -8,7 +8,6 @@ from typing import Annotated
 
 import typer
 
-from qserve import bytecode
 from qserve.cli._common import (
     AcceptGateDifferenceOpt,
     ApiKeyFileOpt,
@@ -26,7 +25,7 @@ from qserve.cli._common import (
     user_errors,
     vllm_logs_to_stderr,
 )
-from qserve.device.passthrough import pass_through_help
+from qserve.engines.passthrough import pass_through_help
 from qserve.errors import QserveError
 from qserve.progress import info
 
@@ -121,27 +120,26 @@ def bench(
       qserve bench --suite --publish docs      (what `make benchmarks` runs)
       qserve bench --eval-throughput --work-dir /tmp/bench
     """
-    bytecode.finish_before_timing()
     if eval_throughput:
         typer.echo(_eval_throughput(work_dir, data_dir, verbose, as_json))
         return
     if suite:
-        from qserve.bench_suite import format_suite, run_suite
+        from qserve.bench.suite import format_suite, run_suite
         from qserve.paths import project_data
 
         with library_output(work_dir / "logs" / "bench-suite.log", verbose):
             result = run_suite(project_data("recipes"), work_dir, data_dir)
         if publish is not None:
-            from qserve.benchmarks_page import record
+            from qserve.bench.page import record
 
             info(f"recorded {record(result, publish)}; {publish / 'benchmarks.md'} rewritten")
         typer.echo(json.dumps(result, indent=2) if as_json else format_suite(result))
         return
     if checkpoint is None:
         raise QserveError("pass CHECKPOINT to benchmark, or --suite")
+    from qserve.bench.load import Load, format_bench
+    from qserve.bench.load import bench as run
     from qserve.paths import log_file
-    from qserve.serve.bench import Load, format_bench
-    from qserve.serve.bench import bench as run
 
     with library_output(log_file(checkpoint, "bench"), verbose):
         result = run(checkpoint, Load(num_prompts, input_len, output_len, concurrency))
@@ -150,7 +148,7 @@ def bench(
 
 def _eval_throughput(work_dir: Path, data_dir: Path | None, verbose: bool, as_json: bool) -> str:
     from qserve import paths
-    from qserve.bench_throughput import eval_throughput, markdown
+    from qserve.bench.throughput import eval_throughput, markdown
     from qserve.quantize.pipeline import QuantizeOptions, quantize
 
     ckpt = work_dir / "out-w8a8-int8"

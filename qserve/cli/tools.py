@@ -32,9 +32,9 @@ def compare(
     Example:
       qserve compare recipes/w8a8-int8.yaml recipes/w4a16-gptq.yaml --tasks gsm8k_ppl --limit 50
     """
-    from qserve.compare import compare as run
-    from qserve.compare import format_compare
-    from qserve.process import bounded_in_process_stop
+    from qserve.runtime.process import bounded_in_process_stop
+    from qserve.workflows.compare import compare as run
+    from qserve.workflows.compare import format_compare
 
     with library_output(out_dir / "logs" / "compare.log", verbose), bounded_in_process_stop():
         result = run(recipes, model=model, tasks=split(tasks), limit=limit, data_dir=data_dir, out_dir=out_dir)
@@ -60,8 +60,8 @@ def doctor(
       qserve doctor
       qserve doctor --probe out-w4a16-gptq
     """
-    from qserve.device.doctor import diagnose, format_report
     from qserve.paths import cache_dir
+    from qserve.support.doctor import diagnose, format_report
 
     with library_output(cache_dir() / "logs" / "doctor.log", False):
         report = diagnose(probe)

@@ -1,6 +1,2 @@
-"""Evaluate and gate: lm-eval on the checkpoint and its cached baseline, engine parity,
-noise-aware gate decisions and reports (`evaluation.evaluate`).
-
-Imports the base modules, qserve.checkpoint and qserve.device; never qserve.quantize or
-qserve.serve.
-"""
+"""Evaluate: lm-eval on the checkpoint and its cached baseline in vLLM, engine parity, the baseline's
+sanity check and the reports (`evaluation.evaluate`); the gate itself is qserve.gate."""

@@ -20,8 +20,8 @@ from typing import Any
 from qserve import paths
 from qserve.checkpoint.hashing import sha256_file, sha256_json
 from qserve.checkpoint.manifest import library_versions
-from qserve.checkpoint.records import write_json
 from qserve.errors import QserveError
+from qserve.gate.records import write_json
 
 FORMAT = 2
 

@@ -13,17 +13,22 @@ from qserve import paths
 from qserve.checkpoint import signing
 from qserve.checkpoint.hashing import model_digest
 from qserve.checkpoint.manifest import Manifest, VllmArgs, library_versions, manifest_digest, read_manifest, verify_files
-from qserve.checkpoint.models import ModelRef, baseline_model
-from qserve.checkpoint.records import resolve_checkpoint
-from qserve.checkpoint.schemes import SCHEMES
-from qserve.device import detect, engine, flags, kv_scales, support, throughput
+from qserve.device import detect
+from qserve.engines import flags, kv_scales, throughput
+from qserve.engines import vllm as engine
 from qserve.errors import QserveError
-from qserve.evaluate import baselines, fallback, looks, parity, reports, stats
-from qserve.evaluate.gates import DEFAULT_MIN_RECOVERY, Gate, GateSpec, decide, normalize, verdict
+from qserve.evaluate import baselines, fallback, parity, reports
 from qserve.evaluate.lm_eval_run import EngineRun, Subject, Window, run_lm_eval
-from qserve.evaluate.stats import ItemValues
 from qserve.evaluate.tasks import TaskDef, get_tasks, lm_eval_config
+from qserve.gate import looks, stats
+from qserve.gate.decisions import Gate, decide, verdict
+from qserve.gate.policy import DEFAULT_MIN_RECOVERY, GateSpec, normalize
+from qserve.gate.records import resolve_checkpoint
+from qserve.gate.stats import ItemValues
+from qserve.models.sources import ModelRef, baseline_model
 from qserve.progress import info, step
+from qserve.schemes.catalog import SCHEMES
+from qserve.support import claims as support
 
 
 @dataclass(frozen=True)
@@ -153,7 +158,7 @@ def _look(plan: _Plan, options: EvalOptions) -> dict[str, Any]:
 def _travelled_history(plan: _Plan) -> list[dict[str, Any]]:
     """The looks the checkpoint's own record carries, when that record is of these weights."""
     from qserve.checkpoint.manifest import EVAL_NAME
-    from qserve.checkpoint.records import read_eval
+    from qserve.gate.records import read_eval
 
     try:
         look = (read_eval(plan.ckpt) or {}).get("look") or {}
@@ -169,7 +174,7 @@ def reusable_eval(checkpoint: str | Path, options: EvalOptions | None = None) ->
     """The checkpoint's eval record if re-running this eval would decide the same question: bound
     to the current manifest (files verified), same tasks, task configs and data contents, limit,
     gates and parity. None otherwise (or when there is no record)."""
-    from qserve.checkpoint.records import read_eval
+    from qserve.gate.records import read_eval
 
     options = options or EvalOptions()
     record = read_eval(Path(checkpoint))

@@ -40,7 +40,7 @@ def lm_kwargs(model_path: Path, quantization: str | None, trust_remote_code: boo
 def emulation_dtype(model_path: Path, quantization: str | None) -> str:
     """The dtype transformers emulates the checkpoint (or the baseline, `quantization` None) in."""
     from qserve.checkpoint.manifest import read_manifest
-    from qserve.checkpoint.schemes import parts_of
+    from qserve.schemes.catalog import parts_of
 
     dtype = DTYPES.get(quantization, "float32")
     if quantization == "compressed-tensors" and DEQUANTIZED_IN_BFLOAT16 & set(parts_of(read_manifest(model_path).scheme)):
@@ -54,7 +54,7 @@ def open_transformers(model_path: Path, quantization: str | None, label: str, tr
     import torch
     from lm_eval.models.huggingface import HFLM
 
-    from qserve.device.in_transformers import load_checked
+    from qserve.engines.in_transformers import load_checked
 
     kwargs = lm_kwargs(model_path, quantization, trust_remote_code)
     kwargs.pop("backend_kind")

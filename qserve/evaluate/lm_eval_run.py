@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from qserve.checkpoint.manifest import VllmArgs
-from qserve.device import detect, engine
-from qserve.evaluate import fallback, stats
-from qserve.evaluate.stats import ItemValues
+from qserve.device import detect
+from qserve.engines import vllm as engine
+from qserve.evaluate import fallback
 from qserve.evaluate.tasks import config_task_manager
+from qserve.gate import stats
+from qserve.gate.stats import ItemValues
 from qserve.progress import step
 
 

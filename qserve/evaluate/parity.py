@@ -89,7 +89,7 @@ def compare_with_transformers(
 
 def _teacher_forced(model_path: Path, generations: list[Generation], trust_remote_code: bool) -> list[Any]:
     """Per generation: transformers' log-probabilities (float32) at each generated position."""
-    from qserve.device.in_transformers import teacher_forced
+    from qserve.engines.in_transformers import teacher_forced
 
     return teacher_forced(model_path, [(g.prompt_ids, g.token_ids) for g in generations], trust_remote_code)
 

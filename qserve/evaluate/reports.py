@@ -12,7 +12,7 @@ from typing import Any
 
 from qserve.checkpoint.card import CARD_NAME, gate_rows, md_table, model_card, text_table
 from qserve.checkpoint.manifest import LM_EVAL_RESULTS_NAME, REPORT_NAME, Manifest
-from qserve.checkpoint.records import write_eval, write_json, write_text
+from qserve.gate.records import write_eval, write_json, write_text
 
 
 def write_all(ckpt: Path, manifest: Manifest, summary: dict[str, Any], raw: dict[str, Any]) -> None:

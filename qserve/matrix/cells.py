@@ -16,12 +16,11 @@ import json
 import math
 import time
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qserve.compat import patched
 from qserve.errors import QserveError
 
 # matrix column -> the shipped recipe it runs (recipes/)
@@ -143,11 +142,11 @@ def vllm_distributions(lm: Any, vocab: int, prompts: list[str] = PROMPTS, max_to
     full next-token distribution over the model's `vocab` at each generated position."""
     import torch
 
-    with rows_kept_as_arrays():
+    with patched("vllm-logprob-rows"):
         outputs = lm.model.generate(prompts, full_distribution_params(max_tokens), use_tqdm=False)
     tables = []
     for o in outputs:
-        rows = getattr(o.outputs[0].logprobs, "rows", [])
+        rows = _rows(o.outputs[0].logprobs)
         if len(rows) != len(o.outputs[0].token_ids):
             raise QserveError(f"vLLM returned {len(rows)} log-probability rows for {len(o.outputs[0].token_ids)} tokens")
         table = torch.full((len(rows), vocab), -math.inf)
@@ -155,6 +154,19 @@ def vllm_distributions(lm: Any, vocab: int, prompts: list[str] = PROMPTS, max_to
             table[pos, torch.from_numpy(ids).long()] = torch.from_numpy(logprobs).float()
         tables.append(table)
     return Distributions([list(o.prompt_token_ids) for o in outputs], [list(o.outputs[0].token_ids) for o in outputs], tables)
+
+
+def _rows(flat: Any) -> list[tuple[Any, Any]]:
+    """Each generated position's (token ids, log-probabilities) as arrays: kept so by the
+    vllm-logprob-rows patch, else read from vLLM's own flat lists."""
+    import numpy as np
+
+    if "rows" in vars(flat):
+        return vars(flat)["rows"]
+    return [
+        (np.asarray(flat.token_ids[a:b]), np.asarray(flat.logprobs[a:b], dtype=np.float32))
+        for a, b in zip(flat.start_indices, flat.end_indices, strict=True)
+    ]
 
 
 def full_distribution_params(max_tokens: int) -> Any:
@@ -169,40 +181,10 @@ def vocab_size(model_path: Path) -> int:
     return (config.get("text_config") or config)["vocab_size"]
 
 
-@contextmanager
-def rows_kept_as_arrays() -> Iterator[None]:
-    """For a request asking for every log-probability (logprobs=-1), vLLM's output processor (in this
-    process) keeps each position's row as the numpy arrays the engine sent, on the request's container
-    as `rows` (token ids, float32 log-probabilities), instead of turning them into Python lists: one
-    `tolist` and one list append per vocabulary entry, 12.6 million for 8 prompts x 32 tokens x 49,152,
-    took 11.4 of an engine call's 18.8 s on the tiny models, 5.3 s a call without them (cProfile, gemma2
-    W4A16, 2026-11-28; the make-test slice 131 -> 67 s). The values are vLLM's own (a Python float of a
-    float32 is exact), and so is the cumulative log-probability."""
-    from unittest import mock
-
-    from vllm.logprobs import FlatLogprobs
-    from vllm.v1.engine.logprobs import LogprobsProcessor
-
-    own = LogprobsProcessor._update_sample_logprobs
-
-    def update(self: Any, logprobs_lists: Any) -> None:
-        if self.num_logprobs != -1 or not isinstance(self.logprobs, FlatLogprobs):
-            return own(self, logprobs_lists)
-        token_ids, logprobs = logprobs_lists[0], logprobs_lists[1]
-        rows = self.logprobs.__dict__.setdefault("rows", [])
-        for ids, values in zip(token_ids, logprobs, strict=True):
-            self.cumulative_logprob += float(values[0])  # the sampler puts the sampled token's first
-            rows.append((ids, values))
-        return None
-
-    with mock.patch.object(LogprobsProcessor, "_update_sample_logprobs", update):
-        yield
-
-
 def transformers_distributions(model_path: Path, like: Distributions) -> Distributions:
     """transformers (float32, compressed-tensors decompressing a quantized checkpoint) teacher-forced
     on the same token ids."""
-    from qserve.device.in_transformers import teacher_forced
+    from qserve.engines.in_transformers import teacher_forced
 
     rows = teacher_forced(model_path, list(zip(like.prompt_ids, like.token_ids)))
     return Distributions(like.prompt_ids, like.token_ids, rows)
@@ -210,7 +192,7 @@ def transformers_distributions(model_path: Path, like: Distributions) -> Distrib
 
 def engine_distributions(model_path: Path, args: Any, label: str) -> Distributions:
     from qserve.device.detect import detect_device
-    from qserve.device.engine import open_engine
+    from qserve.engines.vllm import open_engine
 
     with open_engine(model_path, args, detect_device(), label, overrides={"max_logprobs": -1}) as lm:
         return vllm_distributions(lm, vocab_size(model_path))

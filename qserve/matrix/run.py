@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from qserve import paths
-from qserve.capture import library_output
 from qserve.errors import InvalidSpec, QserveError, innermost_message
 from qserve.matrix import cells
 from qserve.matrix.cells import Cell, Distributions, Timer
 from qserve.matrix.tiny import build, get_architecture
 from qserve.progress import count, info
+from qserve.runtime.capture import library_output
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
@@ -62,7 +62,7 @@ def run_cells(
         get_architecture(arch)
         if column not in cells.COLUMNS:
             raise InvalidSpec(f"unknown matrix column {column!r}; choose from: {', '.join(cells.COLUMNS)}")
-    from qserve.checkpoint.models import resolve_model
+    from qserve.models.sources import resolve_model
 
     tokenizer = resolve_model(None).path
     references: dict[str, Reference] = {}
@@ -228,7 +228,7 @@ def _unchecked_experts(cell: Cell, manifest: Any, engine: Distributions) -> None
 def _known_refusal(cell: Cell, manifest: Any) -> None:
     """A load failure with the message qserve's support table expects for this scheme on this CPU is
     vLLM lacking the kernel here (status "no kernel"), not a bug; any other failure stays "fail"."""
-    from qserve.device.support import vllm_support
+    from qserve.support.claims import vllm_support
 
     claim = vllm_support(manifest, "cpu")
     if not claim.runs and claim.failure and claim.failure in cell.reason:

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qserve.capture import library_output
 from qserve.errors import InvalidSpec
+from qserve.runtime.capture import library_output
 
 VOCAB = 49152  # the SmolLM2 tokenizer's
 SEED = 0

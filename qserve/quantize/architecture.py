@@ -9,10 +9,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from qserve.device.support import float16_refusal
 from qserve.errors import QserveError
 from qserve.progress import info
 from qserve.quantize.recipe import Recipe
+from qserve.support.claims import float16_refusal
 
 
 def model_config(model_path: Path) -> dict[str, Any]:

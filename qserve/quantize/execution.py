@@ -3,9 +3,7 @@ under torchrun; and the memory this process may use, which `auto` decides on."""
 
 from __future__ import annotations
 
-import ctypes
 import json
-import platform
 import resource
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,22 +84,6 @@ def config_dtype(model_path: Path) -> str:
 def offload_budget() -> int:
     """CPU memory the offloaded weights may take: what is available minus the libraries' share."""
     return max(memory_limit_bytes() - LIBRARY_HEADROOM, 256 << 20)
-
-
-# glibc's mallopt parameter; its threshold fixed this way no longer adapts (mallopt(3)).
-M_MMAP_THRESHOLD = -3
-
-
-def return_freed_weights_to_the_system(threshold: int = 1 << 20) -> None:
-    """Make glibc give each freed block of `threshold` bytes or more back to the system at once.
-
-    By default glibc raises its mmap threshold to the size of each large block freed (up to
-    32 MiB), after which such blocks come from the heap, which seldom shrinks. Offloaded
-    quantization onloads and frees every weight in turn, so its resident memory grew by about the
-    weights' size: 0.45 -> 1.5 GiB while compressing a 2 GiB model, killed by a 1.5 GiB cgroup;
-    with the threshold fixed it stayed at 0.45 GiB (README, "Scale")."""
-    if platform.libc_ver()[0] == "glibc":
-        ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, threshold)
 
 
 def check_parallel(recipe: Recipe, processes: int) -> None:

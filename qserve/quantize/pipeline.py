@@ -13,14 +13,12 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from qserve import paths
-from qserve.checkpoint.backends import get_backend
 from qserve.checkpoint.card import CARD_NAME, model_card
 from qserve.checkpoint.manifest import MANIFEST_NAME, Manifest, VllmArgs, hash_files, library_versions, write_manifest
-from qserve.checkpoint.models import ModelRef, resolve_model
-from qserve.checkpoint.records import write_text
-from qserve.checkpoint.schemes import SCHEMES
-from qserve.device.in_transformers import undo_vllm_decorations
+from qserve.compat import patched
 from qserve.errors import QserveError, is_out_of_memory
+from qserve.gate.records import write_text
+from qserve.models.sources import ModelRef, resolve_model
 from qserve.progress import info, step
 from qserve.quantize import architecture, backends
 from qserve.quantize.execution import (
@@ -31,13 +29,14 @@ from qserve.quantize.execution import (
     offload_budget,
     peak_rss_mib,
     recipe_calibration_dtype,
-    return_freed_weights_to_the_system,
     shard_count,
 )
 from qserve.quantize.recipe import DEFAULT_CALIBRATION, CalibrationSpec, Recipe, load_recipe
 from qserve.quantize.recipe_file import make_plain
 from qserve.quantize.sparsity import check_structured_sparsity
-from qserve.scratch import clean_stale, exchange, scratch_dir
+from qserve.runtime.scratch import clean_stale, exchange, scratch_dir
+from qserve.schemes.backends import get_backend
+from qserve.schemes.catalog import SCHEMES
 
 CANDIDATE_GROUP_SIZES = (32, 64, 128, 256)
 
@@ -101,7 +100,9 @@ def quantize(recipe_path: str | Path, options: QuantizeOptions | None = None) ->
     check_parallel(recipe, options.nproc * nnodes)
     ref = resolve_model(options.model or recipe.model)
     check_output(out, ref.path)
-    recipe = _checked_for_model(recipe, ref.path, options.trust_remote_code)
+    # tune and the matrix quantize in a process where vLLM ran before
+    with patched("transformers-undecorated"):
+        recipe = _checked_for_model(recipe, ref.path, options.trust_remote_code)
     run = choose(recipe, ref.path, options.nproc, nnodes)
     if run.path != "in_memory":  # the usual path stays quiet; the manifest records it either way
         info(f"execution: {run.path} ({run.reason})")
@@ -117,7 +118,7 @@ def quantize(recipe_path: str | Path, options: QuantizeOptions | None = None) ->
     os.umask(umask)
     partial.chmod(0o777 & ~umask)  # mkdtemp's 0700 would make the checkpoint private
     try:
-        with _terminate_as_interrupt():
+        with _terminate_as_interrupt(), patched("transformers-undecorated"):
             manifest = _run(job, partial)
         # The card names the final directory; `qserve eval` rewrites it with results. Not hashed.
         write_text(partial / CARD_NAME, model_card(out, manifest, None))
@@ -133,7 +134,6 @@ def quantize(recipe_path: str | Path, options: QuantizeOptions | None = None) ->
 def _checked_for_model(recipe: Recipe, model_path: Path, trust_remote_code: bool) -> Recipe:
     """The recipe as it will run on this model (routers ignored), refused before any work where the
     model's shapes, experts, dtype or layer mappings cannot take it."""
-    undo_vllm_decorations()  # tune and the matrix quantize in a process where vLLM ran before
     recipe = architecture.with_routers_ignored(model_path, recipe, trust_remote_code)
     check_shapes(model_path, recipe, trust_remote_code)
     check_moe(model_path, recipe, trust_remote_code)
@@ -285,12 +285,12 @@ def _offloaded(
     """oneshot with the weights beyond this machine's memory on disk, in a folder removed afterwards."""
     from qserve.quantize.backends.llmcompressor import exported_scheme, run_oneshot
 
-    return_freed_weights_to_the_system()
     folder = out / ".offload"  # inside this run's partial directory: removed with it, whatever happens
     folder.mkdir()
     try:
         offload = {"max_memory": {"cpu": offload_budget()}, "offload_folder": str(folder)}
-        experts = run_oneshot(model_path, recipe, texts, out, trust_remote_code, offload=offload)
+        with patched("glibc-freed-weights-returned"):
+            experts = run_oneshot(model_path, recipe, texts, out, trust_remote_code, offload=offload)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return exported_scheme(out, recipe), experts

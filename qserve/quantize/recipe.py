@@ -9,11 +9,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from qserve.checkpoint.backends import ALGORITHMS, BACKENDS
-from qserve.checkpoint.schemes import MIX_SEPARATOR, QUARK_GROUP_SIZES, SCHEMES, get_scheme, mix_name
 from qserve.errors import InvalidSpec, QserveError
-from qserve.evaluate.gates import GateSpec
+from qserve.gate.policy import GateSpec
 from qserve.paths import project_data
+from qserve.schemes.backends import ALGORITHMS, BACKENDS
+from qserve.schemes.catalog import MIX_SEPARATOR, QUARK_GROUP_SIZES, SCHEMES, get_scheme, mix_name
 
 
 class _Strict(BaseModel):

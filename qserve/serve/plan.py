@@ -8,11 +8,15 @@ from pathlib import Path
 
 from qserve import STARTUP_ENVIRONMENT
 from qserve.checkpoint.manifest import Manifest, read_manifest, verify_files
-from qserve.device import detect, engine, flags, passthrough, support, vllm_cli
+from qserve.compat.vllm import START_METHOD
+from qserve.device import detect
+from qserve.engines import flags, passthrough, vllm_cli
+from qserve.engines import vllm as engine
 from qserve.paths import log_file
 from qserve.serve.auth import MIDDLEWARE
+from qserve.support import claims as support
 
-# vLLM's own command line, run by qserve's wrapper (device/vllm_cli.py); a plan's command starts with it.
+# vLLM's own command line, run by qserve's wrapper (engines/vllm_cli.py); a plan's command starts with it.
 SERVER_INTERPRETER = [sys.executable, "-m", vllm_cli.__name__]
 
 
@@ -124,10 +128,9 @@ def _options(
         options += [("--kv-cache-memory-bytes", str(engine.CPU_KV_CACHE_BYTES)), ("--enforce-eager", None)]
         for key, value in engine.engine_env(device).items():
             env.setdefault(key, value)
-        # The engine core forked from the API server, not spawned: a spawned one imports vLLM again.
-        # Ready 23.3 -> 15.7 s here (W8A8 SmolLM2, 2 runs a side, 2026-11-26), the same greedy text and
-        # decode rate (256 tokens: 5.6-5.8 s either way). device/vllm_cli.py keeps it past vLLM-CPU's spawn.
-        env.setdefault(vllm_cli.START_METHOD, "fork")
+        # The engine core forked from the API server, not spawned: a spawned one imports vLLM again
+        # (the vllm-cpu-start-method patch keeps it past vLLM-CPU's spawn).
+        env.setdefault(START_METHOD, "fork")
     if args.trust_remote_code:
         options.append(("--trust-remote-code", None))
     if endpoint.api_key:

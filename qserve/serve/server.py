@@ -21,13 +21,14 @@ from typing import NoReturn
 
 from qserve.checkpoint import signing
 from qserve.checkpoint.manifest import Manifest, read_manifest, verify_files
-from qserve.checkpoint.records import check_gate
 from qserve.checkpoint.snapshot import private_copy
-from qserve.device import detect, vllm_cli
+from qserve.device import detect
+from qserve.engines import vllm_cli
 from qserve.errors import QserveError
+from qserve.gate.records import check_gate
 from qserve.paths import open_log
-from qserve.process import GRACE_SECONDS, ProcessGroup
 from qserve.progress import info, step
+from qserve.runtime.process import GRACE_SECONDS, ProcessGroup
 from qserve.serve.plan import SERVER_INTERPRETER, Endpoint, ServePlan, load_servable, plan
 
 READY_TIMEOUT = 900.0
@@ -63,7 +64,7 @@ def serve(
 ) -> NoReturn:
     """Start the server, wait until it answers a generation request, and run until it exits or we are signalled.
 
-    `extra_args`: vLLM options after `--`, from the allowlist (device/passthrough.py). `warm`: an
+    `extra_args`: vLLM options after `--`, from the allowlist (engines/passthrough.py). `warm`: an
     interpreter `warm_server` started for this checkpoint, given its command line after the checks.
     Never returns: a signal raises Stopped (after the server's process group is gone), and a server
     that exits by itself is a QserveError naming its log.
@@ -86,7 +87,7 @@ def serve(
 @dataclass
 class WarmServer:
     """vLLM's API server interpreter, started before the gate is decided so that its imports (8-9 s
-    of one core here) run on what the gate leaves idle (device/vllm_cli.py, `await_command`). It
+    of one core here) run on what the gate leaves idle (engines/vllm_cli.py, `await_command`). It
     learns what to serve only in `running`, after every check `serve` makes, and only for the plan
     it was started for; until then it serves nothing and ends with qserve (its stdin is qserve's)."""
 
@@ -144,7 +145,7 @@ def warm_server(
 
 
 def _start_warm(ckpt: Path, endpoint: Endpoint, extra_args: list[str] | None, verbose: bool) -> WarmServer | None:
-    from qserve import priority
+    from qserve.runtime import priority
 
     if not priority.AVAILABLE:
         return None

@@ -25,10 +25,10 @@ from typing import Any
 import yaml
 
 from qserve import paths
-from qserve.checkpoint.schemes import SCHEMES, mix_name
 from qserve.errors import InvalidSpec, QserveError
 from qserve.progress import info
 from qserve.quantize.recipe import Recipe, load_recipe
+from qserve.schemes.catalog import SCHEMES, mix_name
 from qserve.tune import report
 from qserve.tune.groups import LayerGroup, targets
 
@@ -67,7 +67,7 @@ class TuneOptions:
 
 def smaller_scheme(recipe: Recipe, low: str | None, kind: str) -> str:
     """The scheme the least sensitive groups move to: `low`, or the one a runnable mix pairs with the recipe's."""
-    from qserve.device.support import support_for
+    from qserve.support.claims import support_for
 
     if recipe.backend != "llmcompressor" or recipe.scheme is None or recipe.overrides or recipe.kv_cache or recipe.sparsity:
         raise InvalidSpec("qserve tune starts from an llm-compressor recipe with one scheme (no overrides, kv_cache or sparsity)")
@@ -135,10 +135,10 @@ def next_k(lo: int, hi: int, n: int) -> int:
 
 def run_candidate(recipe_file: Path, out: Path, k: int, options: TuneOptions) -> dict[str, Any]:
     """Quantize one candidate and gate it in vLLM; its row for the Pareto table."""
-    from qserve.checkpoint.inspection import inspect_checkpoint
     from qserve.checkpoint.tensors import quantized_layer_bytes
     from qserve.evaluate.evaluation import EvalOptions, evaluate
     from qserve.quantize.pipeline import QuantizeOptions, quantize
+    from qserve.workflows.inspection import inspect_checkpoint
 
     start = time.monotonic()
     name = recipe_file.stem
@@ -194,7 +194,7 @@ def tune(recipe_path: str | Path, options: TuneOptions | None = None) -> dict[st
 
 
 def _sensitivity(recipe: Recipe, options: TuneOptions, low: str, out: Path) -> tuple[dict[str, Any], dict[str, str]]:
-    from qserve.checkpoint.models import resolve_model
+    from qserve.models.sources import resolve_model
     from qserve.quantize.calibration import load_texts
     from qserve.quantize.pipeline import CANDIDATE_GROUP_SIZES, linear_input_dims, with_default_calibration
     from qserve.tune import sensitivity
@@ -305,7 +305,7 @@ def _group_modules(model: str | None, ignore: list[str]) -> dict[str, tuple[str,
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from qserve.checkpoint.models import resolve_model
+    from qserve.models.sources import resolve_model
     from qserve.tune.groups import layer_groups
 
     path = resolve_model(model).path

@@ -56,7 +56,7 @@ def weight_args(scheme: str, group_size: int | None) -> Any:
     """The scheme's weight quantization arguments, as compressed-tensors' preset defines them."""
     from compressed_tensors.quantization import preset_name_to_scheme
 
-    from qserve.checkpoint.schemes import SCHEMES
+    from qserve.schemes.catalog import SCHEMES
 
     args = preset_name_to_scheme(SCHEMES[scheme].backends["llmcompressor"], ["Linear"]).weights
     if group_size is not None:

@@ -1,6 +1,6 @@
 """Quantization backends: each turns (model, recipe, calibration data) into a saved checkpoint.
 
-Which backends exist is checkpoint/backends.py's registry; this is the interface their modules
+Which backends exist is schemes/backends.py's registry; this is the interface their modules
 implement and the lazy loader (each module imports its library when a recipe runs).
 """
 
@@ -10,8 +10,8 @@ import importlib
 from pathlib import Path
 from typing import Any, Protocol, cast
 
-from qserve.checkpoint.backends import get_backend
 from qserve.quantize.recipe import Recipe
+from qserve.schemes.backends import get_backend
 
 
 class BackendRunner(Protocol):

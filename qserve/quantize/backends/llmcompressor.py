@@ -7,10 +7,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from qserve.checkpoint.schemes import SCHEMES, scheme_of_checkpoint
 from qserve.errors import QserveError
-from qserve.heap import collection_paused, frozen_heap
 from qserve.quantize.recipe import Recipe
+from qserve.runtime.heap import collection_paused, frozen_heap
+from qserve.schemes.catalog import SCHEMES, scheme_of_checkpoint
 
 
 def build_modifiers(recipe: Recipe, model: Any = None, batch_gptq: bool = False) -> Any:

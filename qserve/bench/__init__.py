@@ -1,0 +1,1 @@
+"""Benchmarks: qserve against the raw libraries, and the page that shows them."""

@@ -1,0 +1,1 @@
+"""The engines qserve runs models in (vLLM, transformers) and the arguments they take."""

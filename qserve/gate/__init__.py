@@ -1,0 +1,1 @@
+"""The accuracy gate: statistics, error spending, policy, decisions, looks, levels, external runs and the record."""

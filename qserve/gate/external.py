@@ -1,0 +1,219 @@
+"""`qserve gate`: the same paired gate on two lm-eval runs made elsewhere (`--log_samples` outputs).
+
+lm-eval writes `results_<date>.json` (or `<stem>_<date>.json` for `--output_path x.json`) and one
+`samples_<task>_<date>.jsonl` per task beside it, all with that run's date. The newest results file by
+its own date is the run, and each task's items come from the samples file of exactly that task and
+date. The two runs must have asked the same question: the same items, few-shot count, task config
+and prompts (lm-eval's task hashes, each sample's doc and prompt hash), and each task's items must
+add up to the score its results file states. The metric's direction comes from lm-eval's own
+`higher_is_better`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from qserve.errors import QserveError
+from qserve.gate import looks, stats
+from qserve.gate.decisions import decide, verdict
+from qserve.gate.policy import DEFAULT_MIN_RECOVERY, GateSpec
+
+
+def gate_runs(
+    baseline: Path,
+    quantized: Path,
+    gates: dict[str, list[GateSpec]],
+    tasks: list[str] | None = None,
+    looks_from: Path | None = None,
+) -> dict[str, Any]:
+    """Decide every gate (default: min_recovery 0.95 on each task's first metric) on two lm-eval outputs.
+    `looks_from`: an earlier record (this command's --out, or a qserve_eval.json) whose look history
+    these runs continue; without it this is a first look (looks.py: qserve counts only looks it is shown)."""
+    base, quant = _LmEvalRun(baseline), _LmEvalRun(quantized)
+    names = tasks or sorted(set(gates) or (set(base.results) & set(quant.results)))
+    if not names:
+        raise QserveError(f"{baseline} and {quantized} have no task in common")
+    history = _history(looks_from) if looks_from else []
+    scored = {"tasks": names, "limit": {task: len(base.sample_hashes(task)) for task in names}, "offset": 0}
+    look, new = looks.number(history, scored)
+    decided = []
+    for task in names:
+        _same_question(task, base, quant)
+        for spec in gates.get(task) or [GateSpec(min_recovery=DEFAULT_MIN_RECOVERY)]:
+            metric = spec.metric or base.headline(task)
+            hib = base.higher_is_better(task, metric)
+            b, q = base.score(task, metric), quant.score(task, metric)
+            if set(b[2]) != set(q[2]):
+                raise QserveError(
+                    f"{task}: the runs scored different items ({len(b[2])} in the baseline, {len(q[2])} quantized, "
+                    f"{len(set(b[2]) & set(q[2]))} in common); run both with the same --limit and data"
+                )
+            for run, side in ((base, b), (quant, q)):
+                run.check_items_add_up(task, metric, side)
+            cmp = stats.compare(metric, hib, b, q, looks.level(look))
+            decided.append(decide(task, spec, cmp, headline=metric == base.headline(task)))
+    decided_at, final = datetime.now(UTC).isoformat(timespec="seconds"), verdict(decided)
+    entry = scored | {"decided_at": decided_at, "verdict": final, "level": looks.level(look)}
+    return {
+        "baseline_run": str(baseline),
+        "quantized_run": str(quantized),
+        "decided_at": decided_at,
+        "verdict": final,
+        "look": {
+            "number": look,
+            "level": looks.level(look),
+            "counted": new,
+            "earlier": history,
+            "history": looks.chained(history, *([entry] if new else [])),
+        },
+        "gates": [asdict(g) for g in decided],
+    }
+
+
+def _history(path: Path) -> list[dict[str, Any]]:
+    """The look history an earlier record carries, checked link by link."""
+    try:
+        record = json.loads(path.read_text())
+    except OSError as exc:
+        raise QserveError(f"cannot read the look record {path}: {exc.strerror}") from None
+    except json.JSONDecodeError:
+        raise QserveError(f"{path} is not a gate record (JSON) of `qserve gate --out` or `qserve eval`") from None
+    history = ((record if isinstance(record, dict) else {}).get("look") or {}).get("history")
+    if not isinstance(history, list):
+        raise QserveError(f"{path} holds no look history (a record of `qserve gate --out` or `qserve eval` from this version)")
+    return looks.checked(history, str(path))
+
+
+def _same_question(task: str, base: _LmEvalRun, quant: _LmEvalRun) -> None:
+    """Refuse two runs of a task that differ in what they asked: few-shot count, config, prompts."""
+    for what, key in (
+        ("few-shot count", "n-shot"),
+        ("task config", "configs"),
+        ("task version", "versions"),
+        ("task hash", "task_hashes"),
+    ):
+        mine, theirs = base.section(key, task), quant.section(key, task)
+        if key == "configs":
+            mine, theirs = (_without_metadata(c) for c in (mine, theirs))
+        if mine != theirs:
+            raise QserveError(
+                f"{task}: the runs differ in their {what} ({key} in {base.path.name} and {quant.path.name}): "
+                "they did not ask the same question; run both with the same task, --num_fewshot and data"
+            )
+    b, q = base.sample_hashes(task), quant.sample_hashes(task)
+    differ = sorted((i for i in set(b) & set(q) if b[i] != q[i]), key=lambda k: (len(k), k))
+    if differ:
+        raise QserveError(
+            f"{task}: {len(differ)} items have other documents or prompts in the two runs (doc_hash / prompt_hash, "
+            f"first doc_id {differ[0]}); run both with the same task, --num_fewshot and data"
+        )
+
+
+def _without_metadata(config: Any) -> Any:
+    """lm-eval writes the model's arguments into a task config's metadata: not part of the question."""
+    return {k: v for k, v in config.items() if k != "metadata"} if isinstance(config, dict) else config
+
+
+# lm-eval's date in its output names: results_<date>.json, <stem>_<date>.json, samples_<task>_<date>.jsonl.
+_DATE = re.compile(r"_(\d{4}-\d{2}-\d{2}T\d{2}-\d{2}-\d{2}(?:\.\d+)?)\.json$")
+
+
+class _LmEvalRun:
+    """One lm-eval output: its aggregated results and, per task, the per-item values of each metric."""
+
+    def __init__(self, path: Path) -> None:
+        if not path.exists():
+            raise QserveError(f"{path} does not exist")
+        files = [f for f in path.rglob("*.json") if _DATE.search(f.name)] if path.is_dir() else [path]
+        if not files:
+            raise QserveError(f"{path} holds no lm-eval results_<date>.json (run lm-eval with --output_path and --log_samples)")
+        dated = sorted(files, key=lambda f: (m.group(1) if (m := _DATE.search(f.name)) else "", str(f)))
+        self.path, self.folder = dated[-1], dated[-1].parent
+        match = _DATE.search(self.path.name)
+        if match is None:
+            raise QserveError(f"{self.path} is not named as lm-eval names its results (<name>_<date>.json)")
+        self.date = match.group(1)
+        try:
+            self.raw = json.loads(self.path.read_text())
+            self.results = self.raw["results"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise QserveError(f"{self.path} is not an lm-eval results file") from None
+        self._samples: dict[str, list[dict]] = {}
+
+    def section(self, key: str, task: str) -> Any:
+        return (self.raw.get(key) or {}).get(task)
+
+    def check_items_add_up(self, task: str, metric: str, side: tuple[float, float | None, stats.ItemValues]) -> None:
+        """The items must give the score the results file states: else they are another run's, or edited."""
+        stated, _, items = side
+        if not items:
+            return
+        from_items = stats.aggregate(metric.partition(",")[0], list(items.values()))
+        if abs(from_items - stated) > 1e-6 * max(1.0, abs(stated)):
+            raise QserveError(
+                f"{task}: the {len(items)} items in {self.samples_file(task).name} give {metric} {from_items:.6g}, "
+                f"but {self.path.name} states {stated:.6g}: they are not the items of that result"
+            )
+
+    def sample_hashes(self, task: str) -> dict[str, tuple]:
+        return {str(s["doc_id"]): (s.get("doc_hash"), s.get("prompt_hash")) for s in self._read_samples(task) if "doc_id" in s}
+
+    def headline(self, task: str) -> str:
+        keys = [k for k in self._task(task) if "," in k and "_stderr," not in k]
+        if not keys:
+            raise QserveError(f"{self.path} has no metric for {task}")
+        return keys[0]
+
+    def higher_is_better(self, task: str, metric: str) -> bool:
+        value = (self.raw.get("higher_is_better") or {}).get(task, {}).get(metric.partition(",")[0])
+        if not isinstance(value, bool):
+            raise QserveError(
+                f"{self.path} does not say whether higher {metric} is better for {task} (lm-eval's higher_is_better)"
+            )
+        return value
+
+    def score(self, task: str, metric: str) -> tuple[float, float | None, stats.ItemValues]:
+        res = self._task(task)
+        if metric not in res:
+            raise QserveError(f"{self.path} has no {metric!r} for {task}; it has {', '.join(k for k in res if ',' in k)}")
+        name, _, filt = metric.partition(",")
+        stderr = res.get(f"{name}_stderr,{filt}")
+        return float(res[metric]), stderr if isinstance(stderr, (int, float)) else None, self._items(task, metric)
+
+    def _task(self, task: str) -> dict[str, Any]:
+        if task not in self.results:
+            raise QserveError(f"{self.path} has no task {task}; it has {', '.join(self.results)}")
+        return self.results[task]
+
+    def samples_file(self, task: str) -> Path:
+        return self.folder / f"samples_{task}_{self.date}.jsonl"
+
+    def _read_samples(self, task: str) -> list[dict]:
+        if task not in self._samples:
+            path = self.samples_file(task)
+            if not path.is_file():
+                raise QserveError(
+                    f"{self.folder} has no {path.name} (the samples of {self.path.name}): run lm-eval with --log_samples"
+                )
+            try:
+                self._samples[task] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            except json.JSONDecodeError as exc:
+                raise QserveError(f"{path} is not lm-eval's samples file (line {exc.lineno}: {exc.msg})") from None
+        return self._samples[task]
+
+    def _items(self, task: str, metric: str) -> stats.ItemValues:
+        return stats.item_values(self._read_samples(task), metric)
+
+
+def format_report(summary: dict[str, Any]) -> str:
+    """The terminal view of `qserve gate`: the gate table, one line per gate, the verdict."""
+    from qserve.checkpoint.card import gate_rows, text_table
+
+    lines = text_table(gate_rows(summary))
+    lines += [f"  {g['task']} {g['metric']}: {g['status']}: {g['reason']}" for g in summary["gates"]]
+    return "\n".join([*lines, f"verdict: {summary['verdict'].upper()}"])

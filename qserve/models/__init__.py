@@ -1,0 +1,1 @@
+"""Source models as users hold them: Hugging Face directories, hub ids, GGUF files."""

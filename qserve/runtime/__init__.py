@@ -1,0 +1,1 @@
+"""The process qserve runs in: child processes, scratch space, captured output, priorities, memory."""

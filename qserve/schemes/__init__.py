@@ -1,0 +1,1 @@
+"""The quantization schemes qserve knows and the backends that write them."""

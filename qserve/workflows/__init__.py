@@ -1,0 +1,1 @@
+"""Commands over a checkpoint that draw on several parts: run, compare, reproduce, inspect, sign."""

@@ -1,0 +1,187 @@
+"""`qserve compare`: several recipes side by side: accuracy recovery, size, decode speed.
+
+Each recipe is quantized once (a finished checkpoint made from the same recipe file and
+model is reused), gated against the shared cached baseline, and its decode throughput is
+measured on the same vLLM engine the gate used.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from qserve.checkpoint.manifest import read_manifest, verify_files
+from qserve.device import detect
+from qserve.engines import throughput
+from qserve.engines import vllm as engine
+from qserve.errors import QserveError
+from qserve.evaluate.evaluation import EvalOptions, evaluate
+from qserve.models.sources import baseline_model, resolve_model
+from qserve.progress import info
+from qserve.quantize.pipeline import QuantizeOptions, quantize
+from qserve.quantize.recipe import load_recipe
+from qserve.workflows.inspection import inspect_checkpoint
+
+RESULT_NAME = "compare.json"
+PLOT_NAME = "compare.png"
+
+
+def reusable(ckpt: Path, recipe_sha: str, model_id: str) -> bool:
+    """A finished checkpoint from exactly this recipe file and model, with intact files."""
+    try:
+        manifest = read_manifest(ckpt)
+        verify_files(ckpt, manifest)
+    except QserveError:
+        return False
+    return manifest.recipe_source.get("sha256") == recipe_sha and manifest.source_model.get("id") == model_id
+
+
+def compare(
+    recipes: list[str | Path],
+    model: str | None = None,
+    tasks: list[str] | None = None,
+    limit: int | None = None,
+    data_dir: str | Path | None = None,
+    out_dir: str | Path = "compare",
+) -> dict[str, Any]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model_id = resolve_model(model).id
+    rows = []
+    for recipe_path in recipes:
+        recipe, sha = load_recipe(recipe_path)
+        ckpt = out / f"out-{recipe.name}"
+        if reusable(ckpt, sha, model_id):
+            info(f"{recipe.name}: reusing {ckpt}")
+        else:
+            quantize(recipe_path, QuantizeOptions(model, ckpt, data_dir, force=True))
+        summary = evaluate(ckpt, EvalOptions(tasks=tasks, limit=limit, data_dir=data_dir, measure_decode=True))
+        rows.append(_row(recipe.name, ckpt, summary))
+    result = {
+        "baseline": _baseline_row(out / f"out-{load_recipe(recipes[0])[0].name}"),
+        "recipes": rows,
+        "tasks": tasks,
+        "limit": limit,
+    }
+    (out / RESULT_NAME).write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, out / PLOT_NAME)
+    result["files"] = {"json": str(out / RESULT_NAME), "plot": str(out / PLOT_NAME)}
+    return result
+
+
+def _row(name: str, ckpt: Path, summary: dict[str, Any]) -> dict[str, Any]:
+    facts = inspect_checkpoint(ckpt)
+    return {
+        "recipe": name,
+        "checkpoint": str(ckpt),
+        "scheme": summary["scheme"],
+        "verdict": summary["verdict"],
+        "emulated": summary["emulated"],
+        "gates": [{k: g[k] for k in ("task", "metric", "recovery", "degradation", "status")} for g in summary["gates"]],
+        "parity": summary["parity"]["status"],
+        "size_bytes": facts["size_bytes"],
+        "size_vs_bf16": facts["size_vs_bf16"],
+        # None when emulated: transformers' speed says nothing about serving
+        "decode_tokens_per_second": (summary["decode"] or {}).get("tokens_per_second"),
+    }
+
+
+def _baseline_row(any_ckpt: Path) -> dict[str, Any]:
+    """The source model's decode speed in vLLM, measured now on this machine (never cached)."""
+    manifest = read_manifest(any_ckpt)
+    ref = baseline_model(manifest)
+    device = detect.detect_device()
+    args = engine.baseline_args(manifest.vllm_args.trust_remote_code)
+    with engine.open_engine(ref.path, args, device, f"the baseline {manifest.source_model['id']} (decode speed)") as lm:
+        decode, dtype = throughput.decode_throughput(lm), engine.resolved_dtype(lm)
+    facts = inspect_checkpoint(any_ckpt)
+    return {
+        "model": ref.id,
+        "dtype": dtype,
+        "bf16_size_bytes": facts["bf16_size_bytes"],
+        "decode_tokens_per_second": decode["tokens_per_second"],
+    }
+
+
+def headline(row: dict[str, Any]) -> dict[str, Any] | None:
+    """The first gate with a defined recovery: the number the plot and table lead with."""
+    return next((g for g in row["gates"] if g["recovery"] is not None), None)
+
+
+def _speed(tps: float | None, base_tps: float) -> tuple[str, str]:
+    return ("n/a", "n/a") if tps is None else (f"{tps:.0f}", f"{tps / base_tps:.2f}")
+
+
+def format_compare(result: dict[str, Any]) -> str:
+    base = result["baseline"]
+    rows = [("recipe", "scheme", "size MiB", "vs bf16", "headline recovery", "verdict", "parity", "decode tok/s", "vs baseline")]
+    rows.append(
+        (
+            "baseline",
+            base["dtype"],
+            f"{base['bf16_size_bytes'] / 2**20:.0f} (bf16)",
+            "1.00",
+            "1.000",
+            "-",
+            "-",
+            f"{base['decode_tokens_per_second']:.0f}",
+            "1.00",
+        )
+    )
+    for r in result["recipes"]:
+        h = headline(r)
+        rows.append(
+            (
+                r["recipe"],
+                r["scheme"],
+                f"{r['size_bytes'] / 2**20:.0f}",
+                f"{r['size_vs_bf16']:.2f}",
+                f"{h['recovery']:.3f} ({h['task']})" if h else "n/a",
+                r["verdict"].upper() + (" (emulated)" if r["emulated"] else ""),
+                r["parity"],
+                *_speed(r["decode_tokens_per_second"], base["decode_tokens_per_second"]),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines + [f"plot: {result['files']['plot']}  json: {result['files']['json']}"])
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Recovery against size (relative to bf16); each point labelled with its decode speed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = result["baseline"]
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    ax.scatter([1.0], [1.0], s=120, color="grey", marker="s", zorder=3)
+    ax.annotate(
+        f"baseline\n{base['decode_tokens_per_second']:.0f} tok/s",
+        (1.0, 1.0),
+        textcoords="offset points",
+        xytext=(-10, 10),
+        ha="right",
+        fontsize=8,
+    )
+    colours = {"pass": "tab:green", "fail": "tab:red", "inconclusive": "tab:orange"}
+    for r in result["recipes"]:
+        h = headline(r)
+        if h is None:
+            continue
+        ax.scatter([r["size_vs_bf16"]], [h["recovery"]], s=120, color=colours.get(r["verdict"], "tab:blue"), zorder=3)
+        speed = "emulated" if r["decode_tokens_per_second"] is None else f"{r['decode_tokens_per_second']:.0f} tok/s"
+        label = f"{r['recipe']} ({r['verdict']})\n{speed}"
+        ax.annotate(label, (r["size_vs_bf16"], h["recovery"]), textcoords="offset points", xytext=(8, -4), fontsize=8)
+    ax.axhline(1.0, color="grey", lw=0.5)
+    ax.set_xlabel("checkpoint size relative to bf16 baseline")
+    ax.set_ylabel("recovery on the headline gated task")
+    ax.set_title(f"{base['model']}: accuracy vs size (label: vLLM decode throughput)", fontsize=9)
+    ax.set_xlim(0, 1.15)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

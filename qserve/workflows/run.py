@@ -1,0 +1,144 @@
+"""The steps as the CLI runs them, each with its library output in a log file, and `qserve run`'s reuse:
+a step whose valid output exists is not redone."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from qserve import paths
+from qserve.checkpoint.manifest import MANIFEST_NAME, library_versions, read_manifest, verify_files
+from qserve.errors import QserveError
+from qserve.progress import info
+from qserve.runtime.capture import library_output
+from qserve.runtime.process import bounded_in_process_stop
+
+if TYPE_CHECKING:
+    from qserve.evaluate.evaluation import EvalOptions
+    from qserve.quantize.pipeline import QuantizeOptions
+
+
+def quantize_logged(recipe: Path, options: QuantizeOptions | None = None, verbose: bool = False) -> Path:
+    """`qserve quantize`: the libraries' output goes to CKPT/logs/quantize.log (the cache's logs/ on failure)."""
+    from qserve.quantize.pipeline import quantize
+
+    log = paths.pending_log("quantize", os.getpid())
+    with library_output(log, verbose):
+        result = quantize(recipe, options)
+    paths.keep_log(log, result.output, "quantize")
+    return result.output
+
+
+def evaluate_logged(checkpoint: Path | None, options: EvalOptions, verbose: bool = False) -> dict[str, Any]:
+    """`qserve eval`: the libraries' output goes to CKPT/logs/eval.log; a signal stops it within a bound."""
+    from qserve.evaluate.evaluation import evaluate
+    from qserve.gate.records import resolve_checkpoint
+
+    ckpt = resolve_checkpoint(checkpoint)
+    with library_output(paths.log_file(ckpt, "eval"), verbose), bounded_in_process_stop():
+        return evaluate(ckpt, options)
+
+
+def checkpoint_for(
+    recipe: Path,
+    model: str | None = None,
+    output: Path | None = None,
+    data_dir: Path | None = None,
+    trust_remote_code: bool = False,
+    verbose: bool = False,
+) -> Path:
+    """`qserve run`'s first step: the recipe's checkpoint, reused when it is still what this recipe,
+    model, data and library versions would make, quantized (replacing a stale one) otherwise."""
+    from qserve.quantize.pipeline import QuantizeOptions, default_output
+    from qserve.quantize.recipe import load_recipe
+
+    parsed, _ = load_recipe(recipe)
+    out = Path(output) if output else default_output(parsed)
+    stale = why_stale(out, recipe, model, data_dir, trust_remote_code)
+    if stale is None:
+        info(f"reusing checkpoint {out}: same recipe, model, calibration data and libraries; files intact")
+        paths.remember_checkpoint(out)
+        return out
+    info(f"quantizing: {stale}")
+    options = QuantizeOptions(model, out, data_dir, force=out.exists(), trust_remote_code=trust_remote_code)
+    return quantize_logged(recipe, options, verbose)
+
+
+def check_servable_here(recipe: Path) -> None:
+    """`qserve run` ends by serving: refuse before any work a recipe whose scheme `qserve serve`
+    would refuse on this device (support/claims.py), rather than after quantizing and evaluating it."""
+    from qserve.device import detect
+    from qserve.quantize.recipe import load_recipe
+    from qserve.schemes.backends import BACKENDS
+    from qserve.support import claims as support
+
+    parsed, _ = load_recipe(recipe)
+    if parsed.scheme is None:  # llm-compressor modifiers: the scheme is read from the export
+        return
+    kv = parsed.kv_cache.dtype if parsed.kv_cache else "auto"
+    method = BACKENDS[parsed.backend].vllm_quantization
+    claim = support.support_for(method, parsed.scheme, detect.detect_device().kind, kv_cache_dtype=kv)
+    if not claim.serves:
+        needs = f"; it needs {claim.needs}" if claim.needs else ""
+        raise QserveError(
+            f"{parsed.scheme} cannot be served on this machine ({claim.evidence}){needs}. "
+            "`qserve quantize` and `qserve eval` still run it"
+        )
+
+
+def why_stale(out: Path, recipe: Path, model: str | None, data_dir: Path | None, trust_remote_code: bool) -> str | None:
+    """Why the checkpoint at `out` is not this recipe's output (None: it is, and intact)."""
+    from qserve.checkpoint.hashing import model_digest
+    from qserve.models.sources import resolve_model
+    from qserve.quantize.pipeline import with_default_calibration
+    from qserve.quantize.recipe import load_recipe
+
+    if not (out / MANIFEST_NAME).is_file():
+        return f"no checkpoint at {out} yet"
+    try:
+        manifest = read_manifest(out)
+        verify_files(out, manifest)
+    except QserveError as exc:
+        return f"{out} is not intact ({exc})"
+    parsed, sha = load_recipe(recipe)
+    parsed = with_default_calibration(parsed)
+    ref = resolve_model(model or parsed.model)
+    env = manifest.environment or {}
+    changed = [
+        what
+        for what, same in (
+            ("recipe file", manifest.recipe_source.get("sha256") == sha),
+            ("source model", env.get("source_model_sha256") == model_digest(ref.path)),
+            ("--trust-remote-code", manifest.vllm_args.trust_remote_code == trust_remote_code),
+            ("library versions", manifest.versions == library_versions()),
+            ("calibration data", _same_calibration(manifest.calibration, parsed, data_dir, ref.path)),
+        )
+        if not same
+    ]
+    return f"{out} was made with a different {', '.join(changed)}" if changed else None
+
+
+def _same_calibration(recorded: dict | None, recipe: Any, data_dir: Path | None, model_path: Path) -> bool:
+    """Files and datasets are re-drawn and compared by content; generated text depends only on the
+    model, seed and versions, which are compared already."""
+    if recipe.calibration is None or recorded is None:
+        return recipe.calibration is None and recorded is None
+    if any(s.generate is not None for s in recipe.calibration.sources()):
+        return True
+    from qserve.quantize.calibration import load_texts
+
+    _, record = load_texts(recipe.calibration, paths.data_dir(data_dir), model_path)
+    return record.get("content_sha256") == recorded.get("content_sha256")
+
+
+def gate_for(ckpt: Path, options: EvalOptions, verbose: bool = False) -> dict[str, Any]:
+    """`qserve run`'s second step: the eval record when one decided exactly this question on these
+    files (same tasks, data, limit, gates, parity, device), else a new eval."""
+    from qserve.evaluate.evaluation import reusable_eval
+
+    record = reusable_eval(ckpt, options)
+    if record is not None:
+        info(f"reusing the eval of {ckpt} decided {record.get('decided_at')} (verdict: {record.get('verdict')})")
+        return record
+    return evaluate_logged(ckpt, options, verbose)
