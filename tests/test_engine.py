@@ -95,7 +95,8 @@ def test_activation_quantized_checkpoint_matches_transformers(checkpoints) -> No
 def test_a_cpu_engine_runs_with_its_patches_and_without_them_when_off(checkpoints, monkeypatch) -> None:
     # Inside a CPU engine vLLM's sampler ranks with qserve's count and glibc keeps its heap (a freed
     # 256 MiB tensor made again faults in almost nothing, where 65,536 pages are fresh); with the
-    # patches switched off, vLLM's compiled rank function and glibc's own heap.
+    # patches switched off, vLLM's compiled rank function (glibc on and off: tests/test_heap.py, in
+    # fresh interpreters, since mallopt's settings outlast the block).
     from vllm.v1.sample import sampler
 
     from qserve.compat import OFF
@@ -109,7 +110,6 @@ def test_a_cpu_engine_runs_with_its_patches_and_without_them_when_off(checkpoint
     monkeypatch.setenv(OFF, "all")
     with engine.open_engine(ckpt, read_manifest(ckpt).vllm_args, detect.detect_device(), ckpt.name):
         assert sampler.batched_count_greater_than is compiled
-        assert _faults_of_a_freed_256_mib_tensor_made_again() > 60000
 
 
 def _faults_of_a_freed_256_mib_tensor_made_again() -> int:
