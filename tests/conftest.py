@@ -309,13 +309,14 @@ def copy_checkpoint(src: Path, dst: Path) -> Path:
 
 
 class DemoRun:
-    """`qserve run` with the demo's recipe, tasks and limit (from the Makefile), read until it serves,
-    then stopped: by SIGTERM, or by Ctrl-C pressed twice, as an impatient user (or `make`) would."""
+    """`qserve run` with the demo's recipe, tasks and limit (from the Makefile), on the embedded model or
+    `model`, read until it serves, then stopped: by SIGTERM, or by Ctrl-C pressed twice, as an impatient
+    user (or `make`) would."""
 
-    def __init__(self, ckpt: Path, ctrl_c_twice: bool = False) -> None:
+    def __init__(self, ckpt: Path, ctrl_c_twice: bool = False, model: Path | None = None) -> None:
         self.ckpt, self.port = ckpt, free_port()
         cmd = [*QSERVE, "run", DEMO_RECIPE, "--output", ckpt, "--tasks", DEMO_TASKS, "--limit", str(DEMO_LIMIT)]
-        cmd += ["--port", str(self.port)]
+        cmd += ["--port", str(self.port)] + (["--model", str(model)] if model else [])
         stderr = ckpt.parent / f"{ckpt.name}-run-{len(list(ckpt.parent.glob('*-run-*')))}.stderr"
         with stderr.open("w") as err:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO)

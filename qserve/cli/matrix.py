@@ -39,6 +39,14 @@ def matrix(
         Path | None, typer.Option("--from", help="Rewrite the page from a results JSON an earlier run wrote (no run).")
     ] = None,
     data_dir: DataDirOpt = None,
+    real_weights: Annotated[
+        bool,
+        typer.Option(
+            "--real-weights",
+            help="Instead of the tiny models, quantize the trained models the suite has (SmolLM2-135M, Gemma 3 270M) "
+            "with the --columns recipes and gate each in vLLM; the results join the page at --out (its other cells kept).",
+        ),
+    ] = False,
     list_: Annotated[bool, typer.Option("--list", help="List the architectures and columns, and exit.")] = False,
 ) -> None:
     """Build tiny random-initialised models of real architectures (Llama, Qwen 2 and 3, Mistral, Gemma 2
@@ -53,8 +61,9 @@ def matrix(
       qserve matrix --archs qwen3,qwen3_moe --columns w8a8-int8,w4a16-awq
       qserve matrix --out docs/architectures.md          # the whole matrix (make matrix)
       qserve matrix --from docs/architectures.json --out docs/architectures.md   # the page again, no run
+      qserve matrix --real-weights --columns w8a8-int8,fp8-dynamic --out docs/architectures.md
     """
-    from qserve.matrix.cells import COLUMNS
+    from qserve.matrix.cells import COLUMNS, MOE_ONLY
     from qserve.matrix.tiny import ARCHITECTURES
 
     if list_:
@@ -67,16 +76,43 @@ def matrix(
 
     if from_ is not None:
         record = json.loads(from_.read_text())
+    elif real_weights:
+        record = _with_real_weights(
+            out, split(columns) if columns else [c for c in COLUMNS if c not in MOE_ONLY], workdir, data_dir
+        )
     else:
         chosen = split(archs) if archs else list(ARCHITECTURES)
         results = run_matrix(
             chosen, split(columns) if columns else list(COLUMNS), workdir or default_workdir(), data_dir, serve, resume
         )
-        record = {"provenance": provenance(archs, columns, serve), "served": serve, "cells": [c.record() for c in results]}
-    page = markdown(record["cells"], record["provenance"], record["served"])
+        record = {
+            "provenance": provenance(archs, columns, serve, resume),
+            "served": serve,
+            "cells": [c.record() for c in results],
+        }
+    page = markdown(record["cells"], record["provenance"], record["served"], record.get("real_weights", []))
     if out is not None:
         from qserve.gate.records import write_text
 
         write_text(out, page + "\n")
         write_text(out.with_suffix(".json"), json.dumps(record, indent=1) + "\n")
     typer.echo(page)
+
+
+def _with_real_weights(out: Path | None, columns: list[str], workdir: Path | None, data_dir: Path | None) -> dict:
+    """The page's recorded run with the real-weights cells of `columns` run again (the others kept)."""
+    from qserve.errors import QserveError
+    from qserve.matrix.cells import COLUMNS
+    from qserve.matrix.run import default_workdir
+    from qserve.workflows.real_weights import run_real_weights
+
+    if out is None or not out.with_suffix(".json").is_file():
+        raise QserveError("--real-weights adds to a recorded matrix: pass --out PAGE.md with PAGE.json beside it (make matrix)")
+    unknown = [c for c in columns if c not in COLUMNS]
+    if unknown:
+        raise QserveError(f"unknown column(s) {', '.join(unknown)}; see qserve matrix --list")
+    record = json.loads(out.with_suffix(".json").read_text())
+    fresh = run_real_weights({c: COLUMNS[c] for c in columns}, workdir or default_workdir(), data_dir)
+    ran = {(r["model"], r["column"]) for r in fresh}
+    kept = [r for r in record.get("real_weights", []) if (r["model"], r["column"]) not in ran]
+    return record | {"real_weights": kept + fresh}

