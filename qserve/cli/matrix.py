@@ -90,17 +90,14 @@ def matrix(
             "served": serve,
             "cells": [c.record() for c in results],
         }
-    page = markdown(record["cells"], record["provenance"], record["served"], record.get("real_weights", []))
     if out is not None:
-        from qserve.gate.records import write_text
-
-        write_text(out, page + "\n")
-        write_text(out.with_suffix(".json"), json.dumps(record, indent=1) + "\n")
-    typer.echo(page)
+        _write(out, record)
+    typer.echo(markdown(record["cells"], record["provenance"], record["served"], record.get("real_weights", [])))
 
 
 def _with_real_weights(out: Path | None, columns: list[str], workdir: Path | None, data_dir: Path | None) -> dict:
-    """The page's recorded run with the real-weights cells of `columns` run again (the others kept)."""
+    """The page's recorded run with the real-weights cells of `columns` run again (the others kept);
+    the page and its JSON are rewritten as each cell finishes."""
     from qserve.errors import QserveError
     from qserve.matrix.cells import COLUMNS
     from qserve.matrix.run import default_workdir
@@ -112,7 +109,23 @@ def _with_real_weights(out: Path | None, columns: list[str], workdir: Path | Non
     if unknown:
         raise QserveError(f"unknown column(s) {', '.join(unknown)}; see qserve matrix --list")
     record = json.loads(out.with_suffix(".json").read_text())
-    fresh = run_real_weights({c: COLUMNS[c] for c in columns}, workdir or default_workdir(), data_dir)
-    ran = {(r["model"], r["column"]) for r in fresh}
-    kept = [r for r in record.get("real_weights", []) if (r["model"], r["column"]) not in ran]
-    return record | {"real_weights": kept + fresh}
+
+    def merged(fresh: list[dict]) -> dict:
+        ran = {(r["model"], r["column"]) for r in fresh}
+        return record | {
+            "real_weights": [r for r in record.get("real_weights", []) if (r["model"], r["column"]) not in ran] + fresh
+        }
+
+    def write(fresh: list[dict]) -> None:
+        _write(out, merged(fresh))
+
+    return merged(run_real_weights({c: COLUMNS[c] for c in columns}, workdir or default_workdir(), data_dir, write))
+
+
+def _write(out: Path, record: dict) -> None:
+    from qserve.gate.records import write_text
+    from qserve.matrix.page import markdown
+
+    page = markdown(record["cells"], record["provenance"], record["served"], record.get("real_weights", []))
+    write_text(out, page + "\n")
+    write_text(out.with_suffix(".json"), json.dumps(record, indent=1) + "\n")

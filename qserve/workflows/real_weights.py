@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,8 +58,11 @@ def gguf_of(model: RealModel, folder: Path) -> Path:
         raise QserveError(f"{model.label} comes from the {model.distribution} package, which is not installed ({exc})") from None
 
 
-def run_real_weights(columns: dict[str, str], workdir: Path, data_dir: Path | None) -> list[dict[str, Any]]:
-    """Each real model through each column's recipe: quantize, then the demo's gate; one record each."""
+def run_real_weights(
+    columns: dict[str, str], workdir: Path, data_dir: Path | None, done: Callable[[list[dict[str, Any]]], None] | None = None
+) -> list[dict[str, Any]]:
+    """Each real model through each column's recipe: quantize, then the demo's gate; one record each,
+    handed to `done` as each finishes (with those before it), so an interrupted run keeps them."""
     from qserve.paths import project_data
 
     results = []
@@ -69,6 +73,8 @@ def run_real_weights(columns: dict[str, str], workdir: Path, data_dir: Path | No
         for column, recipe in columns.items():
             info(f"real weights: {model.label} x {column}")
             results.append(_cell(model, gguf, column, project_data("recipes") / recipe, folder / column, data_dir))
+            if done is not None:
+                done(results)
     return results
 
 
