@@ -106,13 +106,17 @@ def machine() -> dict[str, Any]:
 
 
 def commit() -> str:
-    """The git commit of qserve's code (with -dirty for uncommitted changes), else qserve's version."""
+    """The git commit of qserve's code (with -dirty for uncommitted changes to the package, its recipes,
+    evals, calibration sources or dependencies; generated pages may change), else qserve's version."""
     import subprocess
 
     repo = Path(__file__).resolve().parents[2]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo, capture_output=True, text=True)
+        code = ["qserve", "recipes", "evals", "calibration", "pyproject.toml", "uv.lock"]
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", *code], cwd=repo, capture_output=True, text=True
+        )
         return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return f"qserve {importlib.metadata.version('qserve')}"
