@@ -123,7 +123,7 @@ def _real_section(real: list[dict[str, Any]]) -> list[str]:
         size = "n/a" if r["size_vs_bf16"] is None else f"{r['size_vs_bf16']:.2f}x"
         lines.append(
             f"| {r['model']} | {r['column']} | {r['verdict'].upper()}{' (emulated)' if r['emulated'] else ''} "
-            f"| {r['metric']} {r['baseline']:.2f} -> {r['quantized']:.2f} ({r['items']} documents) | {bounds} "
+            f"| {r['metric'].partition(',')[0]} {r['baseline']:.2f} -> {r['quantized']:.2f} ({r['items']} documents) | {bounds} "
             f"| {'+' if b else ''}{b.get('allowed', 0):.2%} | {size} | {r['seconds']} s | {ran} |"
         )
     return lines
