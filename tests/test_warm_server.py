@@ -46,7 +46,8 @@ def test_a_warm_server_waits_idle_and_serves_at_normal_priority(passed_eval, tmp
         pid = warm.proc.pid
         _wait_for(lambda: len(os.listdir(f"/proc/{pid}/task")) > 1)
         assert _policies(pid) == {os.SCHED_IDLE}  # its main thread and the one that reads stdin
-        manifest, device = load_servable(ckpt)
+        opened, device = load_servable(ckpt)
+        manifest = opened.manifest
         with running(plan(ckpt, manifest, device, endpoint), warm=warm) as group:  # returns once it answered
             assert group.proc.pid == pid
             members = group_members(pid)

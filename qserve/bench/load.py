@@ -89,7 +89,8 @@ def bench(checkpoint: str | Path, load: Load | None = None, port: int | None = N
     """Serve the checkpoint as `qserve serve` would, run the load, stop the server."""
     load = load or Load()
     ckpt = Path(checkpoint)
-    manifest, device = load_servable(ckpt)
+    opened, device = load_servable(ckpt)
+    manifest = opened.manifest
     p = plan(ckpt, manifest, device, Endpoint(port=port or free_port()))
     with running(p):
         with step(f"vLLM serving benchmark: {load.num_prompts} requests, {load.input_len} in / {load.output_len} out"):

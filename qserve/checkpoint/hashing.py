@@ -27,10 +27,11 @@ def sha256_file(path: Path) -> str:
 
 def hashed_paths(directory: Path) -> list[Path]:
     """Every file in `directory` except qserve's own records (RECORD_NAMES at the top, RECORD_DIRS)."""
-    return [p for p in sorted(directory.rglob("*")) if p.is_file() and not _is_record(p.relative_to(directory))]
+    return [p for p in sorted(directory.rglob("*")) if p.is_file() and not is_record(p.relative_to(directory))]
 
 
-def _is_record(rel: Path) -> bool:
+def is_record(rel: Path) -> bool:
+    """Whether a checkpoint's file (relative path) is one of qserve's own records, which no hash covers."""
     # records.write_text writes "<record>.<pid>.tmp" first; one left by a crash is still a record's
     name = rel.name.rsplit(".", 2)[0] if rel.name.endswith(".tmp") else rel.name
     return (len(rel.parts) == 1 and name in RECORD_NAMES) or rel.parts[0] in RECORD_DIRS
@@ -73,6 +74,18 @@ def sha256_json(obj: Any) -> str:
 
 
 def model_digest(model_dir: Path) -> str:
-    """SHA-256 over a model's files, read in full every time: a size and mtime can be kept while
-    the content changes, so no memo stands in for the bytes."""
-    return sha256_json({str(p.relative_to(model_dir)): sha256_file(p) for p in hashed_paths(model_dir)})
+    """SHA-256 over a model's files, each read in full once per command: the memo lives as long as this
+    process and holds a file's hash only while its size, mtime and inode are the ones it was read with
+    (never on disk, where a size and mtime can be kept while the content changes)."""
+    return sha256_json({str(p.relative_to(model_dir)): _sha256_once(p) for p in hashed_paths(model_dir)})
+
+
+_READ: dict[tuple[str, int, int, int], str] = {}
+
+
+def _sha256_once(path: Path) -> str:
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+    if key not in _READ:
+        _READ[key] = sha256_file(path)
+    return _READ[key]

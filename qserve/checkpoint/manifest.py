@@ -26,7 +26,7 @@ from qserve.errors import QserveError
 __all__ = [
     "CARD_NAME", "EVAL_NAME", "LM_EVAL_RESULTS_NAME", "MANIFEST_NAME", "RECORD_DIRS", "RECORD_NAMES", "REPORT_NAME",
     "SIGNATURE_NAME", "Manifest", "VllmArgs", "hash_files", "hashed_paths", "library_versions", "manifest_digest",
-    "read_manifest", "refuse_special_files", "sha256_file", "verify_files", "write_manifest",
+    "check_hashes", "read_manifest", "refuse_special_files", "sha256_file", "verify_files", "write_manifest",
 ]
 # fmt: on
 
@@ -115,7 +115,11 @@ def read_manifest(directory: Path) -> Manifest:
 
 def verify_files(directory: Path, manifest: Manifest) -> None:
     """Refuse a checkpoint whose files differ from those the manifest recorded."""
-    actual = hash_files(directory)
+    check_hashes(directory, hash_files(directory), manifest)
+
+
+def check_hashes(directory: Path, actual: dict[str, str], manifest: Manifest) -> None:
+    """Refuse `actual` (relative path -> SHA-256, records excluded) unless it is the manifest's file list."""
     missing = sorted(set(manifest.files) - set(actual))
     changed = sorted(f for f in manifest.files if f in actual and actual[f] != manifest.files[f])
     added = sorted(set(actual) - set(manifest.files))

@@ -78,18 +78,18 @@ def run(
     ensure_port_free(host, port)  # and its port: checked again when the server starts
     check_servable_here(recipe)  # and the scheme
     key_args = api_key(key, key_file)
-    ckpt = checkpoint_for(
+    opened = checkpoint_for(  # opened once: its files are hashed once for eval and serve
         recipe, model=model, output=output, data_dir=data_dir, trust_remote_code=trust_remote_code, verbose=verbose
     )
     options = EvalOptions(tasks=split(tasks), limit=limit, gates=gates, data_dir=data_dir, check_parity=parity)
     endpoint = Endpoint(host, port, **key_args)
     # The server's interpreter imports vLLM on what the gate leaves idle; it is told what to serve
     # only after the gate passed and serve's checks, and ends with this block otherwise.
-    with warm_server(ckpt, endpoint, list(ctx.args), verbose) as warm:
-        summary = gate_for(ckpt, options, verbose)
+    with warm_server(opened.path, endpoint, list(ctx.args), verbose) as warm:
+        summary = gate_for(opened, options, verbose)
         typer.echo(format_table(summary))
         if summary["verdict"] != "pass":
-            typer.echo(f"error: {ckpt} did not pass its gate (verdict: {summary['verdict']}); not serving it", err=True)
+            typer.echo(f"error: {opened.path} did not pass its gate (verdict: {summary['verdict']}); not serving it", err=True)
             raise typer.Exit(verdict_exit(summary))
         vllm_logs_to_stderr()
-        serve(ckpt, endpoint, extra_args=list(ctx.args), ready_timeout=ready_timeout, verbose=verbose, warm=warm)
+        serve(opened, endpoint, extra_args=list(ctx.args), ready_timeout=ready_timeout, verbose=verbose, warm=warm)

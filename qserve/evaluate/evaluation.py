@@ -12,7 +12,8 @@ from typing import Any
 from qserve import paths
 from qserve.checkpoint import signing
 from qserve.checkpoint.hashing import model_digest
-from qserve.checkpoint.manifest import Manifest, VllmArgs, library_versions, manifest_digest, read_manifest, verify_files
+from qserve.checkpoint.manifest import Manifest, VllmArgs, library_versions, manifest_digest
+from qserve.checkpoint.opened import Checkpoint, open_checkpoint
 from qserve.device import detect
 from qserve.engines import flags, kv_scales, throughput
 from qserve.engines import vllm as engine
@@ -86,7 +87,7 @@ class _Baseline:
     cached: dict[str, dict]
 
 
-def evaluate(checkpoint: str | Path | None = None, options: EvalOptions | None = None) -> dict[str, Any]:
+def evaluate(checkpoint: str | Path | Checkpoint | None = None, options: EvalOptions | None = None) -> dict[str, Any]:
     """Evaluate a checkpoint against its (cached) baseline, apply the gates, write the reports.
 
     Where vLLM cannot run the scheme on this device, both sides go through transformers and
@@ -170,15 +171,16 @@ def _travelled_history(plan: _Plan) -> list[dict[str, Any]]:
     return (look.get("history") or []) if look.get("weights") == looks.weights_key(plan.manifest) else []
 
 
-def reusable_eval(checkpoint: str | Path, options: EvalOptions | None = None) -> dict[str, Any] | None:
+def reusable_eval(checkpoint: str | Path | Checkpoint, options: EvalOptions | None = None) -> dict[str, Any] | None:
     """The checkpoint's eval record if re-running this eval would decide the same question: bound
     to the current manifest (files verified), same tasks, task configs and data contents, limit,
     gates and parity. None otherwise (or when there is no record)."""
     from qserve.gate.records import read_eval
 
     options = options or EvalOptions()
-    record = read_eval(Path(checkpoint))
-    if record is None or record.get("manifest_sha256") != manifest_digest(Path(checkpoint)):
+    path = checkpoint.path if isinstance(checkpoint, Checkpoint) else Path(checkpoint)
+    record = read_eval(path)
+    if record is None or record.get("manifest_sha256") != manifest_digest(path):
         return None
     plan = _plan(checkpoint, options)
     return record if record.get("request") == _request(plan, options) else None
@@ -201,11 +203,11 @@ def _request(plan: _Plan, options: EvalOptions) -> dict[str, Any]:
     )
 
 
-def _plan(checkpoint: str | Path | None, options: EvalOptions) -> _Plan:
-    """Checks before any engine starts: integrity, flags, tasks and their gates, the device."""
-    ckpt = resolve_checkpoint(checkpoint)
-    manifest = read_manifest(ckpt)
-    verify_files(ckpt, manifest)
+def _plan(checkpoint: str | Path | Checkpoint | None, options: EvalOptions) -> _Plan:
+    """Checks before any engine starts: integrity (unless the checkpoint was opened already), flags,
+    tasks and their gates, the device."""
+    opened = open_checkpoint(checkpoint if isinstance(checkpoint, Checkpoint) else resolve_checkpoint(checkpoint))
+    ckpt, manifest = opened.path, opened.manifest
     if options.verify_key is not None:
         signing.verify(ckpt, options.verify_key)
     flags.check_user_args(ckpt, manifest, {"--kv-cache-dtype": options.kv_cache_dtype})

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qserve import STARTUP_ENVIRONMENT
-from qserve.checkpoint.manifest import Manifest, read_manifest, verify_files
+from qserve.checkpoint.manifest import Manifest
+from qserve.checkpoint.opened import Checkpoint, open_checkpoint
 from qserve.compat.vllm import START_METHOD
 from qserve.device import detect
 from qserve.engines import flags, passthrough, vllm_cli
@@ -30,14 +31,13 @@ class ServePlan:
     api_key: str | None = None
 
 
-def load_servable(ckpt: Path) -> tuple[Manifest, detect.Device]:
-    """The checkpoint's manifest and this device, after the checks every served path makes:
-    files match the manifest, and vLLM's API server was seen to run the scheme here."""
-    manifest = read_manifest(ckpt)
-    verify_files(ckpt, manifest)
+def load_servable(ckpt: str | Path | Checkpoint) -> tuple[Checkpoint, detect.Device]:
+    """The checkpoint, opened (files verified against its manifest, unless opened already), and this
+    device, after the check every served path makes: vLLM's API server was seen to run the scheme here."""
+    opened = open_checkpoint(ckpt)
     device = detect.detect_device()
-    support.check_runnable(manifest, device.kind, device.detail)
-    return manifest, device
+    support.check_runnable(opened.manifest, device.kind, device.detail)
+    return opened, device
 
 
 # qserve's defaults that a user's pass-through option may replace (argparse dest of each).

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import NoReturn
 
 from qserve.checkpoint import signing
-from qserve.checkpoint.manifest import Manifest, read_manifest, verify_files
+from qserve.checkpoint.manifest import check_hashes, read_manifest
+from qserve.checkpoint.opened import Checkpoint
 from qserve.checkpoint.snapshot import private_copy
 from qserve.device import detect
 from qserve.engines import vllm_cli
@@ -54,7 +55,7 @@ def ensure_port_free(host: str, port: int) -> None:
 
 
 def serve(
-    checkpoint: str | Path,
+    checkpoint: str | Path | Checkpoint,
     endpoint: Endpoint | None = None,
     checks: Checks | None = None,
     extra_args: list[str] | None = None,
@@ -70,12 +71,12 @@ def serve(
     that exits by itself is a QserveError naming its log.
     """
     endpoint, checks = endpoint or Endpoint(), checks or Checks()
-    ckpt = Path(checkpoint)
-    manifest, device = load_servable(ckpt)
+    opened, device = load_servable(checkpoint)
+    ckpt, manifest = opened.path, opened.manifest
     notes = checks.run(ckpt, announce=True)
     _warn_about_access(endpoint)
-    with private_copy(ckpt) as copy:
-        checks.run_on_copy(copy, ckpt, manifest)
+    with private_copy(opened.path) as (copy, hashes):
+        checks.run_on_copy(copy, hashes, opened)
         p = plan(ckpt, manifest, device, endpoint, extra_args, loaded_from=copy)
         with running(p, ready_timeout=ready_timeout, verbose=verbose, warm=warm, header=notes) as server:
             print(f"serving {p.model_name} at {p.url}/v1", flush=True)
@@ -187,16 +188,17 @@ class Checks:
             info(note)
         return notes + overrides
 
-    def run_on_copy(self, copy: Path, ckpt: Path, manifest: Manifest) -> None:
-        """The checks again, on the private copy vLLM will load: a file replaced in the checkpoint
-        after the first checks is caught here, and one replaced later never reaches vLLM."""
+    def run_on_copy(self, copy: Path, hashes: dict[str, str], opened: Checkpoint) -> None:
+        """The checks again, on the private copy vLLM will load (its files' hashes taken as they were
+        written): a file replaced in the checkpoint after it was opened is caught here, and one
+        replaced later never reaches vLLM."""
         try:
-            if read_manifest(copy) != manifest:
+            if read_manifest(copy) != opened.manifest:
                 raise QserveError("its manifest differs from the one checked")
-            verify_files(copy, manifest)
+            check_hashes(copy, hashes, opened.manifest)
             self.run(copy)
         except QserveError as exc:
-            raise QserveError(f"{ckpt} changed while qserve checked it ({exc}); nothing was served") from None
+            raise QserveError(f"{opened.path} changed while qserve checked it ({exc}); nothing was served") from None
 
 
 @contextmanager

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qserve import paths
-from qserve.checkpoint.manifest import MANIFEST_NAME, library_versions, read_manifest, verify_files
+from qserve.checkpoint.manifest import MANIFEST_NAME, library_versions, manifest_digest, read_manifest
+from qserve.checkpoint.opened import Checkpoint, open_checkpoint
 from qserve.errors import QserveError
 from qserve.progress import info
 from qserve.runtime.capture import library_output
@@ -30,13 +31,14 @@ def quantize_logged(recipe: Path, options: QuantizeOptions | None = None, verbos
     return result.output
 
 
-def evaluate_logged(checkpoint: Path | None, options: EvalOptions, verbose: bool = False) -> dict[str, Any]:
+def evaluate_logged(checkpoint: Path | Checkpoint | None, options: EvalOptions, verbose: bool = False) -> dict[str, Any]:
     """`qserve eval`: the libraries' output goes to CKPT/logs/eval.log; a signal stops it within a bound."""
     from qserve.evaluate.evaluation import evaluate
     from qserve.gate.records import resolve_checkpoint
 
-    ckpt = resolve_checkpoint(checkpoint)
-    with library_output(paths.log_file(ckpt, "eval"), verbose), bounded_in_process_stop():
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else resolve_checkpoint(checkpoint)
+    where = ckpt.path if isinstance(ckpt, Checkpoint) else ckpt
+    with library_output(paths.log_file(where, "eval"), verbose), bounded_in_process_stop():
         return evaluate(ckpt, options)
 
 
@@ -47,22 +49,25 @@ def checkpoint_for(
     data_dir: Path | None = None,
     trust_remote_code: bool = False,
     verbose: bool = False,
-) -> Path:
+) -> Checkpoint:
     """`qserve run`'s first step: the recipe's checkpoint, reused when it is still what this recipe,
-    model, data and library versions would make, quantized (replacing a stale one) otherwise."""
+    model, data and library versions would make, quantized (replacing a stale one) otherwise; opened
+    once, for the steps after it."""
     from qserve.quantize.pipeline import QuantizeOptions, default_output
     from qserve.quantize.recipe import load_recipe
 
     parsed, _ = load_recipe(recipe)
     out = Path(output) if output else default_output(parsed)
-    stale = why_stale(out, recipe, model, data_dir, trust_remote_code)
-    if stale is None:
+    found = reusable_checkpoint(out, recipe, model, data_dir, trust_remote_code)
+    if isinstance(found, Checkpoint):
         info(f"reusing checkpoint {out}: same recipe, model, calibration data and libraries; files intact")
         paths.remember_checkpoint(out)
-        return out
-    info(f"quantizing: {stale}")
+        return found
+    info(f"quantizing: {found}")
     options = QuantizeOptions(model, out, data_dir, force=out.exists(), trust_remote_code=trust_remote_code)
-    return quantize_logged(recipe, options, verbose)
+    made = quantize_logged(recipe, options, verbose)
+    # Its manifest was just written from the bytes quantize hashed: opened without reading them again.
+    return Checkpoint(made, read_manifest(made), manifest_digest(made))
 
 
 def check_servable_here(recipe: Path) -> None:
@@ -89,6 +94,14 @@ def check_servable_here(recipe: Path) -> None:
 
 def why_stale(out: Path, recipe: Path, model: str | None, data_dir: Path | None, trust_remote_code: bool) -> str | None:
     """Why the checkpoint at `out` is not this recipe's output (None: it is, and intact)."""
+    found = reusable_checkpoint(out, recipe, model, data_dir, trust_remote_code)
+    return None if isinstance(found, Checkpoint) else found
+
+
+def reusable_checkpoint(
+    out: Path, recipe: Path, model: str | None, data_dir: Path | None, trust_remote_code: bool
+) -> Checkpoint | str:
+    """The checkpoint at `out`, opened, if it is this recipe's output and intact; else why not."""
     from qserve.checkpoint.hashing import model_digest
     from qserve.models.sources import resolve_model
     from qserve.quantize.pipeline import with_default_calibration
@@ -97,10 +110,10 @@ def why_stale(out: Path, recipe: Path, model: str | None, data_dir: Path | None,
     if not (out / MANIFEST_NAME).is_file():
         return f"no checkpoint at {out} yet"
     try:
-        manifest = read_manifest(out)
-        verify_files(out, manifest)
+        opened = open_checkpoint(out)
     except QserveError as exc:
         return f"{out} is not intact ({exc})"
+    manifest = opened.manifest
     parsed, sha = load_recipe(recipe)
     parsed = with_default_calibration(parsed)
     ref = resolve_model(model or parsed.model)
@@ -116,7 +129,7 @@ def why_stale(out: Path, recipe: Path, model: str | None, data_dir: Path | None,
         )
         if not same
     ]
-    return f"{out} was made with a different {', '.join(changed)}" if changed else None
+    return f"{out} was made with a different {', '.join(changed)}" if changed else opened
 
 
 def _same_calibration(recorded: dict | None, recipe: Any, data_dir: Path | None, model_path: Path) -> bool:
@@ -132,13 +145,13 @@ def _same_calibration(recorded: dict | None, recipe: Any, data_dir: Path | None,
     return record.get("content_sha256") == recorded.get("content_sha256")
 
 
-def gate_for(ckpt: Path, options: EvalOptions, verbose: bool = False) -> dict[str, Any]:
+def gate_for(ckpt: Checkpoint, options: EvalOptions, verbose: bool = False) -> dict[str, Any]:
     """`qserve run`'s second step: the eval record when one decided exactly this question on these
     files (same tasks, data, limit, gates, parity, device), else a new eval."""
     from qserve.evaluate.evaluation import reusable_eval
 
     record = reusable_eval(ckpt, options)
     if record is not None:
-        info(f"reusing the eval of {ckpt} decided {record.get('decided_at')} (verdict: {record.get('verdict')})")
+        info(f"reusing the eval of {ckpt.path} decided {record.get('decided_at')} (verdict: {record.get('verdict')})")
         return record
     return evaluate_logged(ckpt, options, verbose)
