@@ -11,12 +11,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import StrEnum
 
-from pydantic import ValidationError
+from pydantic import ConfigDict, ValidationError
 
 from qserve.errors import QserveError
 from qserve.gate import paired_binary
 from qserve.gate.policy import CRITERIA, GateSpec, allowed_degradation
+
+
+class Status(StrEnum):
+    """A gate's status and an eval's verdict (a str: records and JSON hold the value)."""
+
+    PASS = "pass"
+    FAIL = "fail"
+    INCONCLUSIVE = "inconclusive"
 
 
 def parse_cli_gates(values: list[str]) -> dict[str, list[GateSpec]]:
@@ -104,6 +113,8 @@ class Comparison:
 
 @dataclass
 class Gate:
+    __pydantic_config__ = ConfigDict(extra="forbid")  # as the eval record holds it (records.EvalRecord)
+
     task: str
     metric: str
     higher_is_better: bool
@@ -116,7 +127,7 @@ class Gate:
     degradation_stderr: float | None
     allowed_degradation: float | None
     criteria: dict[str, float]
-    status: str  # "pass", "fail" or "inconclusive"
+    status: Status
     reason: str
     # False when the comparison cannot tell the models apart at all (zero baseline, every item
     # scoring the same on both): such a gate neither passes nor holds up the verdict (a warning).
@@ -158,7 +169,7 @@ def decide(task: str, spec: GateSpec, cmp: Comparison, headline: bool = False) -
         degradation_stderr=cmp.noise,
         allowed_degradation=allowed,
         criteria=spec.criteria(),
-        status=status,
+        status=Status(status),
         reason=reason,
         signal=not (allowed is None or cmp.constant),
         test=cmp.bounds.method if cmp.bounds else None,
@@ -280,7 +291,7 @@ def _fmt(x: float, log_scale: bool) -> str:
     return f"{math.expm1(x):+.2%}" if log_scale else f"{x:+.4g}"
 
 
-def verdict(gates: list[Gate]) -> str:
+def verdict(gates: list[Gate]) -> Status:
     """fail if any gate fails; inconclusive if any gate with signal is inconclusive; pass if at
     least one gate passed and every other one passed or had no signal; else inconclusive.
 
@@ -288,8 +299,8 @@ def verdict(gates: list[Gate]) -> str:
     passing gate on another task cannot outvote it.
     """
     statuses = [g.status for g in gates]
-    if "fail" in statuses:
-        return "fail"
-    if any(g.status == "inconclusive" and g.signal for g in gates):
-        return "inconclusive"
-    return "pass" if "pass" in statuses else "inconclusive"
+    if Status.FAIL in statuses:
+        return Status.FAIL
+    if any(g.status == Status.INCONCLUSIVE and g.signal for g in gates):
+        return Status.INCONCLUSIVE
+    return Status.PASS if Status.PASS in statuses else Status.INCONCLUSIVE

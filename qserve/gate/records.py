@@ -14,6 +14,7 @@ from qserve import paths
 from qserve.checkpoint.manifest import CARD_NAME, EVAL_NAME, manifest_digest, read_manifest, verify_files
 from qserve.errors import QserveError
 from qserve.gate import policy as gate_policy
+from qserve.gate.decisions import Gate, Status
 from qserve.progress import info
 
 
@@ -32,6 +33,67 @@ def write_text(path: Path, text: str) -> None:
 EVAL_SCHEMA_VERSION = 1
 
 
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Check(BaseModel):
+    """A check beside the gate (engine parity, the KV cache's scales): its status and why; parity adds
+    its measurements."""
+
+    model_config = ConfigDict(extra="allow")
+    status: Literal["pass", "fail", "skipped"]
+    reason: str = ""
+
+
+class Look(_Part):
+    number: int
+    level: float
+    earlier: list[dict[str, Any]]
+    counted: bool
+    weights: str | None = None
+    history: list[dict[str, Any]] = []
+
+
+class SupportClaim(_Part):
+    runs: bool
+    evidence: str
+    needs: str | None = None
+    serves: bool = False
+    serve_evidence: str | None = None
+    failure: str | None = None
+
+
+class DeviceRecord(_Part):
+    kind: str
+    detail: str
+    parallel: list[Any] = []
+
+
+class EngineArgs(_Part):
+    quantized: dict[str, Any]  # vllm.LLM's (or, emulated, lm-eval HFLM's) arguments
+    baseline: dict[str, Any]
+
+
+class BaselineModel(_Part):
+    id: str
+    path: str
+    sha256: str
+
+
+class BaselineCache(_Part):
+    hits: list[str]
+    misses: list[str]
+    refresh: bool
+
+
+class Waiver(_Part):
+    accepted_by: str
+    override: str = "--accept-gate-difference"
+    policy: str | None = None
+    differences: list[str]
+
+
 class EvalRecord(BaseModel):
     """The schema of qserve_eval.json (what `qserve eval` decided), checked when written and read.
 
@@ -42,33 +104,33 @@ class EvalRecord(BaseModel):
     model_config = ConfigDict(extra="forbid")
     manifest_sha256: str
     decided_at: str
-    verdict: Literal["pass", "fail", "inconclusive"]
-    gates: list[dict[str, Any]]
+    verdict: Status
+    gates: list[Gate]
     schema_version: int = EVAL_SCHEMA_VERSION
     purpose: Literal["gate", "tune search"] = "gate"
     checkpoint: str | None = None
-    parity: dict[str, Any] | None = None
-    kv_cache: dict[str, Any] | None = None
+    parity: Check | None = None
+    kv_cache: Check | None = None
     emulated: bool = False  # true: scores come from transformers, not vLLM
     engine: Literal["vllm", "transformers"] | None = None
     scoring: str | None = None  # qserve's lm-eval class by name and source hash; None: lm-eval's own
-    vllm_support: dict[str, Any] | None = None
-    decode: dict[str, Any] | None = None
+    vllm_support: SupportClaim | None = None
+    decode: dict[str, float] | None = None
     scheme: str | None = None
     recipe: str | None = None
     tasks: list[str] | None = None
     limit: int | None = None
     offset: int = 0
-    n_samples: dict[str, Any] | None = None
-    device: dict[str, Any] | None = None
-    engine_args: dict[str, Any] | None = None
-    baseline_model: dict[str, Any] | None = None
-    baseline_cache: dict[str, Any] | None = None
+    n_samples: dict[str, dict[str, int] | None] | None = None
+    device: DeviceRecord | None = None
+    engine_args: EngineArgs | None = None
+    baseline_model: BaselineModel | None = None
+    baseline_cache: BaselineCache | None = None
     versions: dict[str, str] | None = None
     timings: dict[str, float] | None = None
-    look: dict[str, Any] | None = None
-    request: dict[str, Any] | None = None
-    waivers: list[dict[str, Any]] | None = None  # gate differences an operator accepted (--accept-gate-difference)
+    look: Look | None = None
+    request: dict[str, Any] | None = None  # what was asked, as reusable_eval compares it (a fingerprint)
+    waivers: list[Waiver] | None = None  # gate differences an operator accepted (--accept-gate-difference)
 
 
 def _checked(record: dict[str, Any], path: Path) -> dict[str, Any]:
