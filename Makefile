@@ -13,6 +13,9 @@ LIMIT ?= 100
 
 .PHONY: setup demo test test-matrix test-fast matrix docs benchmarks lint
 
+# Each target below runs `setup` first; `uv run --no-sync` then uses that environment as it is (uv run
+# would sync again, and recheck the bytecode of every installed file).
+
 setup:
 	@$(UV) --version >/dev/null 2>&1 || python3 -m pip install --user --quiet uv
 	$(UV) sync --locked --extra cpu --quiet
@@ -20,37 +23,37 @@ setup:
 # quantize -> eval (gates) -> serve, on the embedded SmolLM2-135M-Instruct, offline; a second
 # `make demo` reuses the checkpoint and its gate and goes straight to serving.
 demo: setup
-	$(UV) run --locked --extra cpu qserve run $(RECIPE) --tasks $(TASKS) --limit $(LIMIT)
+	$(UV) run --no-sync qserve run $(RECIPE) --tasks $(TASKS) --limit $(LIMIT)
 
 test: setup
-	$(UV) run --locked --extra cpu pytest -ra --durations=25 -m "not matrix"
+	$(UV) run --no-sync pytest -ra --durations=25 -m "not matrix"
 
 # The per-recipe cells beyond make test's slice (tests/test_support.py: the recipes nothing else in the
 # suite quantizes; tests/test_serve_matrix.py: the served text of each servable scheme beyond INT8 and
 # FP8); .ci/run runs it after make test.
 test-matrix: setup
-	$(UV) run --locked --extra cpu pytest -ra --durations=10 -m matrix
+	$(UV) run --no-sync pytest -ra --durations=10 -m matrix
 
 test-fast: setup
-	$(UV) run --locked --extra cpu pytest -ra -m "not slow"
+	$(UV) run --no-sync pytest -ra -m "not slow"
 
 # Every architecture x every shipped scheme, run for real on tiny random-initialised models; regenerates
 # docs/architectures.md and its .json (the page gives the run's date, commit, machine and time).
 # `--resume` keeps what an interrupted run finished, and serves cells an earlier run did not.
 matrix: setup
-	$(UV) run --locked --extra cpu qserve matrix --out docs/architectures.md
+	$(UV) run --no-sync qserve matrix --out docs/architectures.md
 
 # The CLI reference, from the commands' own --help, the benchmarks page, from the recorded results, and
 # the patch table (tests/test_cli.py and tests/test_compat.py fail when one is stale).
 docs: setup
-	$(UV) run --locked --extra cpu python -m qserve.cli.reference > docs/cli.md
-	$(UV) run --locked --extra cpu python -m qserve.bench.page docs > docs/benchmarks.md
-	$(UV) run --locked --extra cpu python -m qserve.compat > docs/patches.md
+	$(UV) run --no-sync python -m qserve.cli.reference > docs/cli.md
+	$(UV) run --no-sync python -m qserve.bench.page docs > docs/benchmarks.md
+	$(UV) run --no-sync python -m qserve.compat > docs/patches.md
 
 # qserve against the raw libraries on this machine, side by side; records the result in
 # docs/benchmarks/ and regenerates docs/benchmarks.md from every recorded machine.
 benchmarks: setup
-	$(UV) run --locked --extra cpu qserve bench --suite --work-dir .bench-suite --publish docs
+	$(UV) run --no-sync qserve bench --suite --work-dir .bench-suite --publish docs
 
 # The linter and the formatter own the code's layout (a table laid out by hand says why, in `# fmt: off`).
 lint:

