@@ -74,18 +74,7 @@ def sha256_json(obj: Any) -> str:
 
 
 def model_digest(model_dir: Path) -> str:
-    """SHA-256 over a model's files, each read in full once per command: the memo lives as long as this
-    process and holds a file's hash only while its size, mtime and inode are the ones it was read with
-    (never on disk, where a size and mtime can be kept while the content changes)."""
-    return sha256_json({str(p.relative_to(model_dir)): _sha256_once(p) for p in hashed_paths(model_dir)})
-
-
-_READ: dict[tuple[str, int, int, int], str] = {}
-
-
-def _sha256_once(path: Path) -> str:
-    st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
-    if key not in _READ:
-        _READ[key] = sha256_file(path)
-    return _READ[key]
+    """SHA-256 over a model's files, read in full every time: a size and mtime can be kept while
+    the content changes, and a ctime moves only at the clock's coarse tick, so no memo stands in for
+    the bytes."""
+    return sha256_json({str(p.relative_to(model_dir)): sha256_file(p) for p in hashed_paths(model_dir)})
