@@ -166,7 +166,9 @@ def test_a_tune_search_record_is_no_gate(tmp_path: Path) -> None:
     """The search keeps the best of several candidates on the same items: its record is not a gate."""
     ckpt = _checkpoint(tmp_path, [_gate()])
     record = json.loads((ckpt / EVAL_NAME).read_text())
-    (ckpt / EVAL_NAME).write_text(json.dumps(record | {"purpose": "tune search"}))
+    # as the search writes it: no look at the weights (number None), so the record must still load
+    search_look = {"number": None, "level": 0.0304, "earlier": [], "counted": False}
+    (ckpt / EVAL_NAME).write_text(json.dumps(record | {"purpose": "tune search", "look": search_look}))
     assert _sign(ckpt) == (
         1,
         f"error: {ckpt}'s gate record is from a `qserve tune` search, which kept the best of several candidates on the same "

@@ -47,7 +47,8 @@ class Check(BaseModel):
 
 
 class Look(_Part):
-    number: int
+    # None for evals that decide nothing (tune's search): they are no look at the weights
+    number: int | None
     level: float
     earlier: list[dict[str, Any]]
     counted: bool
