@@ -18,8 +18,8 @@ def matmul_gflops(dtype: str, sizes: tuple[int, ...] = PEAK_SIZES, seconds: floa
     threads, per kernel library: "torch" (a @ b; int8: torch._int_mm, int32 accumulation) and "vllm"
     (vLLM-CPU's oneDNN handlers, the kernels its linear layers run: onednn_mm; int8: onednn_scaled_mm
     with per-token activation and per-channel weight scales, as W8A8 runs). The machine's peak is the
-    faster of the two: torch's float32 goes through MKL, which on this AMD EPYC reached 222.7 GFLOP/s
-    while vLLM's float32 eval ran at 148 % of the bound that rate gave."""
+    faster of the two: torch's float32 goes through MKL, far below oneDNN's rate on some CPUs, which
+    would put vLLM's eval above its own bound."""
     return {kernel: max(_square_gflops(dtype, size, seconds, kernel) for size in sizes) for kernel in _KERNELS}
 
 

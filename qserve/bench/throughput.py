@@ -4,7 +4,8 @@ per dtype, the arithmetic bound for that dtype, and raw lm-eval on the same engi
 Prefill is lm-eval's rolling log-likelihood over the demo's documents (gsm8k_ppl: every token is
 a prompt token), and beside it vLLM alone scoring the same tokens in one `generate` call with
 qserve's scoring parameters and engine settings, no lm-eval around it: what vLLM itself reaches on
-these tokens, which the goal's share is to be read against. Each side is timed ROUNDS times, in
+these tokens. The goal: qserve's prefill at least GOAL_VS_VLLM_ALONE of vLLM alone's, per dtype (what
+lm-eval and qserve add around vLLM may cost a twentieth at most). Each side is timed ROUNDS times, in
 turns, and its median recorded. Decode is vLLM's offline generation of 16 x 128 tokens.
 
 The bound is the model's FLOPs per token (bench/peak.py), each part at this CPU's measured matmul
@@ -33,9 +34,8 @@ from qserve.models.sources import baseline_model
 from qserve.progress import step
 
 TASK, LIMIT = "gsm8k_ppl", 100  # the demo's gate
-GOAL_SHARE = 0.5  # of the bound, for every dtype with a native kernel
-# Each prefill side is timed this often: single runs of W8A8's qserve side took 13.4-15.0 s in three
-# benchmark runs on one host on 2026-11-27, shares of 46.6-51.8 % around the 50 % goal.
+GOAL_VS_VLLM_ALONE = 0.95  # qserve's prefill tokens/s against vLLM alone's on the same tokens, per dtype
+# Each prefill side is timed this often, in turns: a single run of one side varies by a tenth between runs.
 ROUNDS = 3
 PROFILE_TOP = 8  # ops the profile names; the rest are summed
 
@@ -76,6 +76,7 @@ def eval_throughput(w8a8_ckpt: Path, data_dir: Path, limit: int = LIMIT) -> dict
             "qserve_vs_raw_lm_eval": round(row["prefill_seconds"] / row["raw_prefill_seconds"], 3),
             "vllm_alone_share_of_bound": round(row["vllm_alone_prefill_tokens_per_second"] / bound, 3),
             "qserve_vs_vllm_alone": round(row["prefill_seconds"] / row["vllm_alone_prefill_seconds"], 3),
+            "qserve_speed_vs_vllm_alone": round(row["vllm_alone_prefill_seconds"] / row["prefill_seconds"], 3),
         }
     return {"task": TASK, "limit": limit, "prompt_tokens": tokens, "flops_per_token": flops, "dtypes": rows}
 
@@ -199,13 +200,13 @@ def markdown(result: dict[str, Any]) -> list[str]:
         total, how = flops, "bound = measured matmul rate / FLOPs per token"
     return [
         f"Eval throughput ({result['task']}, {result['limit']} documents, {result['prompt_tokens']['total']} prompt tokens; "
-        f"{total / 1e9:.3f} GFLOP per token): {how}; goal: prefill at least {GOAL_SHARE:.0%} of the bound, "
-        "qserve no slower than raw lm-eval (time ratio <= 1.0). vLLM alone: the same tokens scored in one "
+        f"{total / 1e9:.3f} GFLOP per token): {how}; goal: qserve's prefill at least "
+        f"{GOAL_VS_VLLM_ALONE:.0%} of vLLM alone's, per dtype. vLLM alone: the same tokens scored in one "
         "`generate` call with qserve's scoring parameters and engine settings, no lm-eval around it." + _rounds(result),
         "",
-        "| dtype | matmul GFLOP/s | bound tok/s | qserve prefill tok/s | share | raw lm-eval prefill tok/s | "
-        "qserve / raw time | vLLM alone prefill tok/s (share) | decode tok/s | decode share |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| dtype | matmul GFLOP/s | bound tok/s | qserve prefill tok/s | share | vLLM alone prefill tok/s (share) | "
+        f"qserve / vLLM alone (goal >= {GOAL_VS_VLLM_ALONE}) | raw lm-eval prefill tok/s | qserve / raw time | decode tok/s | decode share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
         *(_markdown_row(dtype, r) for dtype, r in result["dtypes"].items()),
         *_profile_markdown(result["dtypes"]),
     ]
@@ -241,13 +242,13 @@ def _rounds(result: dict[str, Any]) -> str:
 def _markdown_row(dtype: str, r: dict[str, Any]) -> str:
     by_kernel = r.get("matmul_gflops_by_kernel")  # recorded since both kernel libraries are timed
     rate = f"{r['matmul_gflops']} ({', '.join(f'{k} {v}' for k, v in by_kernel.items())})" if by_kernel else r["matmul_gflops"]
-    alone = (  # recorded since vLLM alone is timed
-        f"{r['vllm_alone_prefill_tokens_per_second']} ({r['vllm_alone_share_of_bound']:.1%})"
-        if "vllm_alone_prefill_tokens_per_second" in r
-        else "not measured"
-    )
+    alone, versus = "not measured", "not measured"
+    if "vllm_alone_prefill_tokens_per_second" in r:  # recorded since vLLM alone is timed
+        alone = f"{r['vllm_alone_prefill_tokens_per_second']} ({r['vllm_alone_share_of_bound']:.1%})"
+        speed = r.get("qserve_speed_vs_vllm_alone") or round(1 / r["qserve_vs_vllm_alone"], 3)
+        versus = f"{speed} ({'met' if speed >= GOAL_VS_VLLM_ALONE else 'NOT met'})"
     return (
         f"| {dtype} | {rate} | {r['bound_tokens_per_second']} | {r['prefill_tokens_per_second']} | "
-        f"{r['prefill_share_of_bound']:.1%} | {r['raw_prefill_tokens_per_second']} | {r['qserve_vs_raw_lm_eval']} | "
-        f"{alone} | {r['decode']['tokens_per_second']} | {r['decode_share_of_bound']:.1%} |"
+        f"{r['prefill_share_of_bound']:.1%} | {alone} | {versus} | {r['raw_prefill_tokens_per_second']} | "
+        f"{r['qserve_vs_raw_lm_eval']} | {r['decode']['tokens_per_second']} | {r['decode_share_of_bound']:.1%} |"
     )
