@@ -126,7 +126,7 @@ def test_a_changed_recipe_or_gate_is_not_reused(demo_run: DemoRun, tmp_path: Pat
     assert why_stale(demo_run.ckpt, edited, None, DATA_DIR, False).endswith("a different recipe file, calibration data")
     # The eval record answers only the question it decided.
     asked = {"tasks": DEMO_TASKS.split(","), "limit": DEMO_LIMIT, "data_dir": DATA_DIR}
-    assert reusable_eval(demo_run.ckpt, EvalOptions(**asked))["verdict"] == "pass"
+    assert reusable_eval(demo_run.ckpt, EvalOptions(**asked)).verdict == "pass"
     assert reusable_eval(demo_run.ckpt, EvalOptions(**(asked | {"limit": DEMO_LIMIT + 1}))) is None
     assert reusable_eval(demo_run.ckpt, EvalOptions(**asked, check_parity=False)) is None
     stricter = parse_cli_gates(["gsm8k_ppl:max_increase=0.01"])

@@ -18,10 +18,11 @@ from conftest import (
     small_manifest,
 )
 
-from qserve.checkpoint.card import CARD_NAME, gate_rows
 from qserve.checkpoint.manifest import EVAL_NAME, LM_EVAL_RESULTS_NAME, hash_files, read_manifest, write_manifest
 from qserve.evaluate.reports import REPORT_NAME
 from qserve.gate import looks
+from qserve.gate.card import CARD_NAME, gate_rows
+from qserve.gate.decisions import Gate
 from qserve.gate.spending import min_items
 
 
@@ -77,7 +78,7 @@ def test_reports_agree_with_the_summary(passed_eval) -> None:
     report = (ckpt / REPORT_NAME).read_text()
     card = (ckpt / CARD_NAME).read_text()
     assert f"**Verdict: {summary['verdict'].upper()}**" in report
-    for row in gate_rows(summary)[1:]:
+    for row in gate_rows([Gate(**g) for g in summary["gates"]])[1:]:
         line = "| " + " | ".join(row) + " |"
         assert line in report and line in card
     assert f"vllm serve {ckpt.resolve()} --quantization compressed-tensors --kv-cache-dtype auto --dtype bfloat16" in card
@@ -203,12 +204,19 @@ def test_model_card_metadata_is_what_the_hub_reads(tmp_path: Path) -> None:
     from conftest import gate_record
     from huggingface_hub import ModelCard
 
-    from qserve.checkpoint.card import model_card
+    from qserve.gate.card import model_card
+    from qserve.gate.schema import EvalRecord
 
     source = {"id": "HuggingFaceTB/SmolLM2-135M-Instruct"}
     manifest = small_manifest(recipe={"name": "w8a8-int8"}, source_model=source, kv_cache_dtype="auto", dtype="bfloat16")
-    summary = {"verdict": "pass", "decided_at": "d", "parity": {"status": "pass"}, "gates": [gate_record(items=100)]}
-    card = ModelCard(model_card(tmp_path / "out-w8a8-int8", manifest, summary))
+    record = {
+        "manifest_sha256": "m",
+        "verdict": "pass",
+        "decided_at": "d",
+        "parity": {"status": "pass"},
+        "gates": [gate_record(items=100)],
+    }
+    card = ModelCard(model_card(tmp_path / "out-w8a8-int8", manifest, EvalRecord.model_validate(record)))
     data = card.data
     assert (data.base_model, data.base_model_relation, data.library_name) == (
         "HuggingFaceTB/SmolLM2-135M-Instruct",

@@ -19,7 +19,7 @@ ALLOWED = {
     "checkpoint": {"base", "schemes"},
     "compat": {"base", "device"},
     "models": {"base", "checkpoint"},
-    "gate": {"base", "checkpoint", "device"},
+    "gate": {"base", "schemes", "checkpoint", "device"},  # schemes: the model card names the backend
     "engines": {"base", "checkpoint", "compat", "device"},
     "support": {"base", "schemes", "checkpoint", "device", "engines"},
     "evaluate": {"base", "schemes", "checkpoint", "device", "models", "gate", "engines", "support"},

@@ -16,9 +16,16 @@ from conftest import make_keys, run_qserve_in_process, small_manifest
 
 from qserve.checkpoint.manifest import CARD_NAME, EVAL_NAME, hash_files, manifest_digest, write_manifest
 from qserve.errors import QserveError
-from qserve.gate.policy import MIN_ITEMS, Policy, differences, read_policy, recipe_policy
+from qserve.gate.decisions import Gate
+from qserve.gate.policy import MIN_ITEMS, Policy, read_policy, recipe_policy
+from qserve.gate.records import differences
 
 RECIPE = {"name": "r", "gates": {"gsm8k_ppl": 0.95, "gsm8k": 0.95}}
+
+
+def _differences(gates: list[dict], policy: Policy) -> list[str]:
+    """The policy's differences from a record holding these gates, as `qserve eval` writes them."""
+    return differences([Gate(**g) for g in gates], policy)
 
 
 def _checkpoint(root: Path, gates: list[dict]) -> Path:
@@ -39,24 +46,22 @@ def _checkpoint(root: Path, gates: list[dict]) -> Path:
 
 
 def test_a_record_that_meets_the_recipe_has_no_difference() -> None:
-    assert differences({"gates": [_gate(), _gate("gsm8k")]}, recipe_policy(RECIPE)) == []
+    assert _differences([_gate(), _gate("gsm8k")], recipe_policy(RECIPE)) == []
     # A stricter gate meets a looser policy.
-    assert differences({"gates": [_gate(criteria={"min_recovery": 0.99}), _gate("gsm8k")]}, recipe_policy(RECIPE)) == []
+    assert _differences([_gate(criteria={"min_recovery": 0.99}), _gate("gsm8k")], recipe_policy(RECIPE)) == []
 
 
 def test_every_task_the_recipe_gates_is_required_and_a_gate_without_signal_is_a_difference() -> None:
     """`qserve eval --tasks gsm8k_ppl` alone does not meet a recipe that gates gsm8k too; a no-signal
     gsm8k gate (a tiny model's ~1 %) is shown as such and needs the operator's acceptance."""
-    assert differences({"gates": [_gate()]}, recipe_policy(RECIPE)) == [
-        "no gate on gsm8k (the policy requires {'min_recovery': 0.95})"
-    ]
+    assert _differences([_gate()], recipe_policy(RECIPE)) == ["no gate on gsm8k (the policy requires {'min_recovery': 0.95})"]
     silent = _gate("gsm8k", status="inconclusive", signal=False, reason="all 100 items scored 0 on both models")
-    assert differences({"gates": [_gate(), silent]}, recipe_policy(RECIPE)) == [
+    assert _differences([_gate(), silent], recipe_policy(RECIPE)) == [
         "gsm8k was gated without signal (all 100 items scored 0 on both models): it decided nothing"
     ]
     one = Policy(gates=RECIPE["gates"], require_all_tasks=False)
-    assert differences({"gates": [_gate()]}, one) == []
-    assert differences({"gates": [_gate("arc_easy")]}, one) == ["no gate on any task the policy names (gsm8k_ppl, gsm8k)"]
+    assert _differences([_gate()], one) == []
+    assert _differences([_gate("arc_easy")], one) == ["no gate on any task the policy names (gsm8k_ppl, gsm8k)"]
 
 
 @pytest.mark.parametrize(
@@ -80,17 +85,17 @@ def test_every_task_the_recipe_gates_is_required_and_a_gate_without_signal_is_a_
     ],
 )
 def test_each_shortfall_is_named(gates: list[dict], expected: str) -> None:
-    assert differences({"gates": gates}, recipe_policy(RECIPE)) == [expected]
+    assert _differences(gates, recipe_policy(RECIPE)) == [expected]
 
 
 def test_a_policy_gate_without_a_metric_is_met_only_by_the_headline_metric() -> None:
     """flexible-extract in place of strict-match (gsm8k's headline) does not meet `gsm8k: 0.95`."""
     policy = Policy(gates={"gsm8k": 0.95})
     other = _gate("gsm8k", metric="exact_match,flexible-extract", headline=False)
-    assert differences({"gates": [other]}, policy) == ["no gate on gsm8k (the policy requires {'min_recovery': 0.95})"]
-    assert differences({"gates": [other | {"headline": True}]}, policy) == []
+    assert _differences([other], policy) == ["no gate on gsm8k (the policy requires {'min_recovery': 0.95})"]
+    assert _differences([other | {"headline": True}], policy) == []
     named = Policy(gates={"gsm8k": {"metric": "exact_match,strict-match", "min_recovery": 0.95}})
-    assert differences({"gates": [other | {"headline": True}]}, named) == [
+    assert _differences([other | {"headline": True}], named) == [
         "no gate on gsm8k@exact_match,strict-match (the policy requires {'min_recovery': 0.95})"
     ]
 
@@ -102,7 +107,7 @@ def test_an_operator_policy_file(tmp_path: Path) -> None:
     assert policy == Policy(
         gates={"gsm8k_ppl": {"max_increase": 0.02}, "gsm8k": 0.95}, min_items=200, require_all_tasks=True, source=str(path)
     )
-    assert differences({"gates": [_gate()]}, policy) == [
+    assert _differences([_gate()], policy) == [
         "gsm8k_ppl word_perplexity,none passed on 100 items, below the policy's minimum of 200",
         "no gate on gsm8k (the policy requires {'min_recovery': 0.95})",
     ]

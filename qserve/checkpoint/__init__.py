@@ -1,2 +1,2 @@
-"""Checkpoints on disk: the manifest (what produced it, how vLLM must load it, file hashes), the
-model card, safetensors headers, hashing and signatures. Below the gate: it reads no record."""
+"""Checkpoints on disk: the manifest (what produced it, how vLLM must load it, file hashes),
+safetensors headers, hashing and signatures. Below the gate: it reads no record."""

@@ -136,8 +136,9 @@ def vllm_logs_to_stderr() -> None:
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 
-def verdict_exit(summary: dict) -> int:
-    return {"pass": 0, "fail": EXIT_GATE_FAILED}.get(summary["verdict"], EXIT_GATE_INCONCLUSIVE)
+def verdict_exit(verdict: str) -> int:
+    """The exit code of a verdict: 0 pass, else the gate's failed or inconclusive code."""
+    return {"pass": 0, "fail": EXIT_GATE_FAILED}.get(verdict, EXIT_GATE_INCONCLUSIVE)
 
 
 def api_key(value: str | None, key_file: Path | None = None) -> dict[str, str | None]:

@@ -89,6 +89,6 @@ def eval_(
         verify_key=verify_key,
         parallel=parallel_args(tensor_parallel_size, pipeline_parallel_size, data_parallel_size, distributed_executor_backend),
     )
-    summary = evaluate_logged(checkpoint, options, verbose)
-    typer.echo(json.dumps(summary, indent=2) if as_json else format_table(summary))
-    raise typer.Exit(verdict_exit(summary))
+    record = evaluate_logged(checkpoint, options, verbose)
+    typer.echo(json.dumps(record.model_dump(exclude_unset=True), indent=2) if as_json else format_table(record))
+    raise typer.Exit(verdict_exit(record.verdict))

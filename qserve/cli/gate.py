@@ -52,7 +52,7 @@ def gate(
     if out is not None:
         write_json(out, summary)
     typer.echo(json.dumps(summary, indent=2) if as_json else format_report(summary))
-    raise typer.Exit(verdict_exit(summary))
+    raise typer.Exit(verdict_exit(summary["verdict"]))
 
 
 @user_errors

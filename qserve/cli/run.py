@@ -86,10 +86,10 @@ def run(
     # The server's interpreter imports vLLM on what the gate leaves idle; it is told what to serve
     # only after the gate passed and serve's checks, and ends with this block otherwise.
     with warm_server(opened.path, endpoint, list(ctx.args), verbose) as warm:
-        summary = gate_for(opened, options, verbose)
-        typer.echo(format_table(summary))
-        if summary["verdict"] != "pass":
-            typer.echo(f"error: {opened.path} did not pass its gate (verdict: {summary['verdict']}); not serving it", err=True)
-            raise typer.Exit(verdict_exit(summary))
+        record = gate_for(opened, options, verbose)
+        typer.echo(format_table(record))
+        if record.verdict != "pass":
+            typer.echo(f"error: {opened.path} did not pass its gate (verdict: {record.verdict}); not serving it", err=True)
+            raise typer.Exit(verdict_exit(record.verdict))
         vllm_logs_to_stderr()
         serve(opened, endpoint, extra_args=list(ctx.args), ready_timeout=ready_timeout, verbose=verbose, warm=warm)

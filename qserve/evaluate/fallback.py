@@ -19,8 +19,8 @@ from qserve.progress import step
 # on CPU has no half-precision path; the baseline stays float32.
 DTYPES = {"compressed-tensors": "bfloat16", "quark": "float32", None: "float32"}
 # On a CPU without a bfloat16 kernel everything runs in float32 (detect.cpu_compute_dtype), but for the
-# compressed-tensors schemes whose weights it dequantizes in bfloat16 at every forward (measured: "expected
-# m1 and m2 to have the same dtype, but got: float != c10::BFloat16", 2026-11-27).
+# compressed-tensors schemes whose weights it dequantizes in bfloat16 at every forward (float32 activations
+# fail there: "expected m1 and m2 to have the same dtype, but got: float != c10::BFloat16").
 DEQUANTIZED_IN_BFLOAT16 = {"MXFP4", "MXFP4A16", "MXFP8", "NVFP4", "NVFP4A16"}
 BATCH_SIZE = 8
 

@@ -7,31 +7,33 @@ from pathlib import Path
 from typing import Any
 
 from qserve.checkpoint.manifest import CARD_NAME, Manifest
+from qserve.gate.decisions import Gate
+from qserve.gate.schema import EvalRecord, Waiver
 from qserve.schemes.backends import backend_writing
 
 __all__ = ["CARD_NAME", "front_matter", "gate_rows", "md_table", "model_card", "text_table", "vllm_serve_command"]
 
 
-def gate_rows(summary: dict[str, Any]) -> list[tuple[str, ...]]:
+def gate_rows(gates: list[Gate]) -> list[tuple[str, ...]]:
     rows = [("task", "metric", "n", "baseline", "quantized", "recovery", "degradation", "allowed", "status")]
-    for g in summary["gates"]:
+    for g in gates:
         rows.append(
             (
-                g["task"],
-                g["metric"] + ("" if g["higher_is_better"] else " (lower is better)"),
-                str(g.get("items") or "?"),
-                _with_err(g["baseline"], g["baseline_stderr"]),
-                _with_err(g["quantized"], g["quantized_stderr"]),
-                "n/a" if g["recovery"] is None else f"{g['recovery']:.3f}",
-                _with_err(g["degradation"], g["degradation_stderr"]),
-                "n/a" if g["allowed_degradation"] is None else f"{g['allowed_degradation']:.4g}",
-                g["status"].upper(),
+                g.task,
+                g.metric + ("" if g.higher_is_better else " (lower is better)"),
+                str(g.items or "?"),
+                _with_err(g.baseline, g.baseline_stderr),
+                _with_err(g.quantized, g.quantized_stderr),
+                "n/a" if g.recovery is None else f"{g.recovery:.3f}",
+                _with_err(g.degradation, g.degradation_stderr),
+                "n/a" if g.allowed_degradation is None else f"{g.allowed_degradation:.4g}",
+                g.status.upper(),
             )
         )
     return rows
 
 
-def model_card(ckpt: Path, manifest: Manifest, summary: dict[str, Any] | None) -> str:
+def model_card(ckpt: Path, manifest: Manifest, summary: EvalRecord | None) -> str:
     """README.md for the checkpoint: what it is, how it was made, how it scored, how to serve it."""
     r = manifest.recipe
     calib = manifest.calibration or {}
@@ -54,13 +56,11 @@ def model_card(ckpt: Path, manifest: Manifest, summary: dict[str, Any] | None) -
     if summary is None:
         lines += ["Not evaluated yet: run `qserve eval` on this directory.", ""]
     else:
-        lines += [
-            f"Gate verdict: **{summary['verdict'].upper()}** (decided {summary['decided_at']}; engine parity {summary['parity']['status']})",
-            "",
-        ]
-        lines += md_table(gate_rows(summary)) + [""]
-        lines += [_waiver_line(w) for w in summary.get("waivers") or []]
-        if summary.get("emulated"):
+        parity = summary.parity.status if summary.parity else "not run"
+        lines += [f"Gate verdict: **{summary.verdict.upper()}** (decided {summary.decided_at}; engine parity {parity})", ""]
+        lines += md_table(gate_rows(summary.gates)) + [""]
+        lines += [_waiver_line(w) for w in summary.waivers or []]
+        if summary.emulated:
             lines += ["Scores are **emulated** (transformers), not from vLLM.", ""]
     lines += [
         "## Serve",
@@ -75,7 +75,7 @@ def model_card(ckpt: Path, manifest: Manifest, summary: dict[str, Any] | None) -
     return "\n".join(lines)
 
 
-def front_matter(ckpt: Path, manifest: Manifest, summary: dict[str, Any] | None) -> list[str]:
+def front_matter(ckpt: Path, manifest: Manifest, summary: EvalRecord | None) -> list[str]:
     """The Hugging Face model-card metadata block: base model, library, tags, quantization, and the
     gate's results in the model-index form (what the hub and its tools read)."""
     import yaml
@@ -96,8 +96,8 @@ def front_matter(ckpt: Path, manifest: Manifest, summary: dict[str, Any] | None)
         "kv_cache_dtype": args.kv_cache_dtype,
         "dtype": args.dtype,
     }
-    if summary is not None and summary.get("gates"):
-        meta["model-index"] = [{"name": ckpt.resolve().name, "results": [_result(g, summary) for g in summary["gates"]]}]
+    if summary is not None and summary.gates:
+        meta["model-index"] = [{"name": ckpt.resolve().name, "results": [_result(g, summary.emulated) for g in summary.gates]}]
     return ["---", yaml.safe_dump(meta, sort_keys=False).rstrip(), "---", ""]
 
 
@@ -107,20 +107,20 @@ def _hub_id(name: str) -> bool:
     return len(parts) == 2 and all(parts) and not name.startswith((".", "~")) and not Path(name).exists()
 
 
-def _result(gate: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
-    metric = gate["metric"].split(",")[0]
-    where = "emulated in transformers" if summary.get("emulated") else "vLLM"
-    name = f"{metric} ({where}; baseline {gate['baseline']:.4g}; gate {gate['status']} on {gate.get('items')} items)"
+def _result(gate: Gate, emulated: bool) -> dict[str, Any]:
+    metric = gate.metric.split(",")[0]
+    where = "emulated in transformers" if emulated else "vLLM"
+    name = f"{metric} ({where}; baseline {gate.baseline:.4g}; gate {gate.status} on {gate.items} items)"
     return {
         "task": {"type": "text-generation"},
-        "dataset": {"name": gate["task"], "type": gate["task"]},
-        "metrics": [{"type": metric, "value": gate["quantized"], "name": name, "verified": False}],
+        "dataset": {"name": gate.task, "type": gate.task},
+        "metrics": [{"type": metric, "value": gate.quantized, "name": name, "verified": False}],
     }
 
 
-def _waiver_line(waiver: dict[str, Any]) -> str:
-    how = f"`qserve {waiver['accepted_by']} {waiver.get('override', '--accept-gate-difference')}`, policy of {waiver['policy']}"
-    return f"**Gate below its policy, accepted by the operator** ({how}): {'; '.join(waiver['differences'])}.\n"
+def _waiver_line(waiver: Waiver) -> str:
+    how = f"`qserve {waiver.accepted_by} {waiver.override}`, policy of {waiver.policy}"
+    return f"**Gate below its policy, accepted by the operator** ({how}): {'; '.join(waiver.differences)}.\n"
 
 
 def vllm_serve_command(ckpt: Path, manifest: Manifest) -> list[str]:

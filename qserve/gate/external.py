@@ -20,7 +20,7 @@ from typing import Any
 
 from qserve.errors import QserveError
 from qserve.gate import looks, stats
-from qserve.gate.decisions import decide, verdict
+from qserve.gate.decisions import Gate, decide, verdict
 from qserve.gate.policy import DEFAULT_MIN_RECOVERY, GateSpec
 
 
@@ -212,8 +212,9 @@ class _LmEvalRun:
 
 def format_report(summary: dict[str, Any]) -> str:
     """The terminal view of `qserve gate`: the gate table, one line per gate, the verdict."""
-    from qserve.checkpoint.card import gate_rows, text_table
+    from qserve.gate.card import gate_rows, text_table
 
-    lines = text_table(gate_rows(summary))
-    lines += [f"  {g['task']} {g['metric']}: {g['status']}: {g['reason']}" for g in summary["gates"]]
+    gates = [Gate(**g) for g in summary["gates"]]
+    lines = text_table(gate_rows(gates))
+    lines += [f"  {g.task} {g.metric}: {g.status}: {g.reason}" for g in gates]
     return "\n".join([*lines, f"verdict: {summary['verdict'].upper()}"])

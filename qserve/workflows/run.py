@@ -17,6 +17,7 @@ from qserve.runtime.process import bounded_in_process_stop
 
 if TYPE_CHECKING:
     from qserve.evaluate.evaluation import EvalOptions
+    from qserve.gate.schema import EvalRecord
     from qserve.quantize.pipeline import QuantizeOptions
 
 
@@ -31,7 +32,7 @@ def quantize_logged(recipe: Path, options: QuantizeOptions | None = None, verbos
     return result.output
 
 
-def evaluate_logged(checkpoint: Path | Checkpoint | None, options: EvalOptions, verbose: bool = False) -> dict[str, Any]:
+def evaluate_logged(checkpoint: Path | Checkpoint | None, options: EvalOptions, verbose: bool = False) -> EvalRecord:
     """`qserve eval`: the libraries' output goes to CKPT/logs/eval.log; a signal stops it within a bound."""
     from qserve.evaluate.evaluation import evaluate
     from qserve.gate.records import resolve_checkpoint
@@ -145,13 +146,13 @@ def _same_calibration(recorded: dict | None, recipe: Any, data_dir: Path | None,
     return record.get("content_sha256") == recorded.get("content_sha256")
 
 
-def gate_for(ckpt: Checkpoint, options: EvalOptions, verbose: bool = False) -> dict[str, Any]:
+def gate_for(ckpt: Checkpoint, options: EvalOptions, verbose: bool = False) -> EvalRecord:
     """`qserve run`'s second step: the eval record when one decided exactly this question on these
     files (same tasks, data, limit, gates, parity, device), else a new eval."""
     from qserve.evaluate.evaluation import reusable_eval
 
     record = reusable_eval(ckpt, options)
     if record is not None:
-        info(f"reusing the eval of {ckpt.path} decided {record.get('decided_at')} (verdict: {record.get('verdict')})")
+        info(f"reusing the eval of {ckpt.path} decided {record.decided_at} (verdict: {record.verdict})")
         return record
     return evaluate_logged(ckpt, options, verbose)

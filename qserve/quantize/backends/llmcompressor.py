@@ -101,11 +101,10 @@ def gptq_batch_size(model: Any) -> int:
     GPTQ's precision (so a bfloat16 model gets the batches its float32 copy would).
 
     llm-compressor's default ("auto") sizes batches from free CUDA memory and quantizes one layer at
-    a time on a CPU. Batching does not change a bit (the same weights file, W4A16 and W8A8 on the
-    embedded model, 2026-11-27; tests/test_quantize.py checks it against unbatched llm-compressor on
-    every run); it shortens GPTQ's per-column loop for W4A16 (shrunk w4a16-gptq: 21.8 -> 14.6 s of
-    GPTQ, 33.3 -> 25.0 s in all) and leaves W8A8's unchanged (20.4 against 21.0 s). The size is a
-    function of the model alone, so the recipe.yaml it is recorded in is the same on every run."""
+    a time on a CPU. Batching does not change a bit (tests/test_quantize.py checks it against unbatched
+    llm-compressor on every run); it shortens GPTQ's per-column loop for W4A16 by about a third and
+    leaves W8A8's unchanged. The size is a function of the model alone, so the recipe.yaml it is
+    recorded in is the same on every run."""
     import torch
 
     shapes = Counter(tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear))
@@ -246,8 +245,7 @@ def run_oneshot(
     if record and not distributed:  # ranks' counts are checked once added up (distributed.launch)
         experts.check_every_expert_calibrated(record)
     # Offloaded: transformers gathers each output shard in memory before writing it, and
-    # llm-compressor's default shard (20 GB) is the whole model; keep each within the budget
-    # (measured: peak RSS 1193 -> 1074 MiB, a 1.3 GiB model offloaded under a 1 GiB cgroup).
+    # llm-compressor's default shard (20 GB) is the whole model; keep each within the budget.
     shard = {"max_shard_size": offload["max_memory"]["cpu"]} if offload else {}
     _hold(model, source_dtype)  # the checkpoint keeps the source's dtype
     model.save_pretrained(out_dir, save_compressed=True, **shard)

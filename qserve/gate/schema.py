@@ -1,0 +1,147 @@
+"""The eval record's schema (qserve_eval.json): what `qserve eval` decided, typed, as every report,
+`serve` and `sign` read it."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from qserve.gate.decisions import Gate, Status
+
+EVAL_SCHEMA_VERSION = 1
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Check(BaseModel):
+    """A check beside the gate (engine parity, the KV cache's scales): its status and why. Keys of
+    earlier versions are kept (extra allowed), so an older record still reads."""
+
+    model_config = ConfigDict(extra="allow")
+    status: Literal["pass", "fail", "skipped"]
+    reason: str = ""
+
+
+class ParityTolerance(_Part):
+    max_mean_abs_logprob_diff: float
+    min_top1_agreement: float
+    why: str
+
+
+class ScreeningKL(_Part):
+    mean_nats: float
+    positions: int
+    note: str = ""
+
+
+class ParityCheck(Check):
+    """Engine parity (evaluate/parity.py): vLLM's greedy tokens teacher-forced through transformers."""
+
+    positions: int | None = None
+    top1_agreement: float | None = None
+    mean_abs_logprob_diff: float | None = None
+    max_abs_logprob_diff: float | None = None
+    max_greedy_shortfall: float | None = None
+    tolerance: ParityTolerance | None = None
+    kl_to_baseline: ScreeningKL | None = None  # beside the gate, never part of it
+    seconds: float | None = None
+
+
+class KvCacheCheck(Check):
+    """The calibrated k/v scales as vLLM loaded them (engines/kv_scales.py): (least, largest) over layers."""
+
+    kv_cache_dtype: str | None = None
+    layers: int | None = None
+    k_scale: tuple[float, float] | None = None
+    v_scale: tuple[float, float] | None = None
+
+
+class Look(_Part):
+    # None for evals that decide nothing (tune's search): they are no look at the weights
+    number: int | None
+    level: float
+    earlier: list[dict[str, Any]]
+    counted: bool
+    weights: str | None = None
+    history: list[dict[str, Any]] = []
+
+
+class SupportClaim(_Part):
+    runs: bool
+    evidence: str
+    needs: str | None = None
+    serves: bool = False
+    serve_evidence: str | None = None
+    failure: str | None = None
+
+
+class DeviceRecord(_Part):
+    kind: str
+    detail: str
+    parallel: list[Any] = []
+
+
+class EngineArgs(_Part):
+    quantized: dict[str, Any]  # vllm.LLM's (or, emulated, lm-eval HFLM's) arguments
+    baseline: dict[str, Any]
+
+
+class BaselineModel(_Part):
+    id: str
+    path: str
+    sha256: str
+
+
+class BaselineCache(_Part):
+    hits: list[str]
+    misses: list[str]
+    refresh: bool
+
+
+class Waiver(_Part):
+    accepted_by: str
+    override: str = "--accept-gate-difference"
+    policy: str | None = None
+    differences: list[str]
+
+
+class EvalRecord(BaseModel):
+    """The schema of qserve_eval.json (what `qserve eval` decided), checked when written and read.
+
+    serve, sign, inspect and the policy read the first four fields; the rest describe the run.
+    Records written before `schema_version` existed are version 1.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    manifest_sha256: str
+    decided_at: str
+    verdict: Status
+    gates: list[Gate]
+    schema_version: int = EVAL_SCHEMA_VERSION
+    purpose: Literal["gate", "tune search"] = "gate"
+    checkpoint: str | None = None
+    parity: ParityCheck | None = None
+    kv_cache: KvCacheCheck | None = None
+    emulated: bool = False  # true: scores come from transformers, not vLLM
+    engine: Literal["vllm", "transformers"] | None = None
+    scoring: str | None = None  # qserve's lm-eval class by name and source hash; None: lm-eval's own
+    vllm_support: SupportClaim | None = None
+    decode: dict[str, float] | None = None
+    scheme: str | None = None
+    recipe: str | None = None
+    tasks: list[str] | None = None
+    limit: int | None = None
+    offset: int = 0
+    n_samples: dict[str, dict[str, int] | None] | None = None
+    device: DeviceRecord | None = None
+    engine_args: EngineArgs | None = None
+    baseline_model: BaselineModel | None = None
+    baseline_cache: BaselineCache | None = None
+    versions: dict[str, str] | None = None
+    timings: dict[str, float] | None = None
+    look: Look | None = None
+    request: dict[str, Any] | None = None  # what was asked, as reusable_eval compares it (a fingerprint)
+    waivers: list[Waiver] | None = None  # gate differences an operator accepted (--accept-gate-difference)
