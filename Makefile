@@ -29,8 +29,9 @@ test: setup
 	$(UV) run --no-sync pytest -ra --durations=25 -m "not matrix"
 
 # The per-recipe cells beyond make test's slice (tests/test_support.py: the recipes nothing else in the
-# suite quantizes; tests/test_serve_matrix.py: the served text of each servable scheme beyond INT8 and
-# FP8); .ci/run runs it after make test.
+# suite quantizes; tests/test_serve_matrix.py: the served text of each servable scheme beyond INT8;
+# tests/test_tune.py: the shipped tuned recipe; tests/test_real_weights.py: Gemma 3 through the demo);
+# .ci/run runs it after make test.
 test-matrix: setup
 	$(UV) run --no-sync pytest -ra --durations=10 -m matrix
 

@@ -64,6 +64,7 @@ def test_served_text_equals_the_eval_engines(checkpoints, name: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.matrix  # emulated FP8 generates at seconds a token on a CPU: minutes of make test's budget
 @needs_vllm("fp8", serve=True)
 def test_fp8_served_token_equals_the_eval_engines_which_matches_transformers(checkpoints) -> None:
     """FP8_DYNAMIC, at ~30 s a token here, in one engine run for both checks: the eval engine's

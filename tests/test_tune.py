@@ -101,6 +101,7 @@ def test_the_search_starts_at_the_prediction_gallops_then_bisects() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.matrix  # the shipped tuned recipe's cell: a search, two evals and two quantizations
 def test_tune_finds_a_smaller_mix_that_passes_in_vllm_and_its_recipe_remakes_it(checkpoints, passed_eval, tmp_path: Path) -> None:
     """One candidate (the predicted k) at the shipped tuned recipe's promise, gsm8k_ppl at 100 documents: it
     must pass the 0.95 gate in vLLM with engine parity, again on the 100 documents after those (held out
