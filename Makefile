@@ -3,8 +3,8 @@
 UV ?= $(shell command -v uv 2>/dev/null || echo python3 -m uv)
 DATA_DIR ?= $(abspath ../shared/data)
 export QSERVE_DATA_DIR ?= $(DATA_DIR)
-# The libraries' bytecode is written at install (pyproject: compile-bytecode); qserve's own modules
-# cache theirs in the clone, which a machine image that sets PYTHONDONTWRITEBYTECODE=1 would forbid.
+# Python writes each module's bytecode at its first import (into .venv and the clone), which a machine
+# image that sets PYTHONDONTWRITEBYTECODE=1 would forbid: every run would compile again.
 unexport PYTHONDONTWRITEBYTECODE
 # The demo's gate: word perplexity on 100 GSM8K test solutions (README: "Why the demo gates on perplexity").
 RECIPE ?= recipes/w8a8-int8.yaml
