@@ -48,6 +48,9 @@ def test_the_demo_passes_with_margin_and_serves(demo_run: DemoRun) -> None:
         # With margin: the 95 % upper bound of the loss is under half of what the gate allows.
         assert gate["bounds"]["upper"] < gate["bounds"]["allowed"] / 2, gate["reason"]
     assert f"verdict: PASS on {DEMO_LIMIT} items per task" in demo_run.stdout
+    # One command, each file read once: the checkpoint hashed once, the source model only by quantize.
+    steps = [line for line in demo_run.stderr.splitlines() if line.startswith("ok hashing")]
+    assert [step.split(" (")[0] for step in steps] == ["ok hashing checkpoint files"], steps
     # Beside the verdict: the screening KL against the baseline, and which look at these weights this was.
     assert record["parity"]["kl_to_baseline"]["mean_nats"] > 0
     kl, look = record["parity"]["kl_to_baseline"], record["look"]

@@ -14,6 +14,9 @@ class Checkpoint:
     path: Path
     manifest: Manifest
     digest: str  # the manifest file's SHA-256, file hashes included: what gate decisions bind to
+    # The source model's directory and digest when this command read them (quantize, or the reuse
+    # check): the eval's baseline cache key takes them instead of reading the model again.
+    source: tuple[Path, str] | None = None
 
 
 def open_checkpoint(checkpoint: str | Path | Checkpoint) -> Checkpoint:

@@ -70,6 +70,7 @@ class _Plan:
     configs: dict[str, dict]
     device: detect.Device
     runnable: support.Support
+    source: tuple[Path, str] | None = None  # Checkpoint.source: read already in this command
 
     @property
     def emulated(self) -> bool:
@@ -229,7 +230,7 @@ def _plan(checkpoint: str | Path | Checkpoint | None, options: EvalOptions) -> _
         info(
             f"vLLM cannot run {manifest.scheme} here ({runnable.evidence}): evaluating through transformers; results are EMULATED"
         )
-    return _Plan(ckpt, manifest, task_defs, specs, configs, device, runnable)
+    return _Plan(ckpt, manifest, task_defs, specs, configs, device, runnable, opened.source)
 
 
 def _check_gated_tasks(gates: dict[str, list[GateSpec]], evaluated: list[str]) -> None:
@@ -247,8 +248,11 @@ def _baseline_side(plan: _Plan, window: Window, refresh: bool) -> _Baseline:
     model = baseline_model(plan.manifest)
     trc = plan.manifest.vllm_args.trust_remote_code
     args = engine.baseline_args(trc)
-    with step("hashing the baseline model for the baseline cache"):
-        sha = model_digest(model.path)
+    if plan.source and plan.source[0].resolve() == model.path.resolve():
+        sha = plan.source[1]  # this command read the model already (quantize or the reuse check)
+    else:
+        with step("hashing the baseline model for the baseline cache"):
+            sha = model_digest(model.path)
     if plan.emulated:
         kwargs = fallback.lm_kwargs(model.path, None, trc)
     else:

@@ -4,11 +4,12 @@ a step whose valid output exists is not redone."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qserve import paths
-from qserve.checkpoint.manifest import MANIFEST_NAME, library_versions, manifest_digest, read_manifest
+from qserve.checkpoint.manifest import MANIFEST_NAME, Manifest, library_versions, manifest_digest, read_manifest
 from qserve.checkpoint.opened import Checkpoint, open_checkpoint
 from qserve.errors import QserveError
 from qserve.progress import info
@@ -68,7 +69,16 @@ def checkpoint_for(
     options = QuantizeOptions(model, out, data_dir, force=out.exists(), trust_remote_code=trust_remote_code)
     made = quantize_logged(recipe, options, verbose)
     # Its manifest was just written from the bytes quantize hashed: opened without reading them again.
-    return Checkpoint(made, read_manifest(made), manifest_digest(made))
+    manifest = read_manifest(made)
+    return Checkpoint(made, manifest, manifest_digest(made), _source(manifest))
+
+
+def _source(manifest: Manifest) -> tuple[Path, str] | None:
+    """The source model's directory and the digest quantize recorded for it in this command."""
+    from qserve.models.sources import baseline_model
+
+    digest = (manifest.environment or {}).get("source_model_sha256")
+    return (baseline_model(manifest).path, digest) if digest else None
 
 
 def check_servable_here(recipe: Path) -> None:
@@ -118,19 +128,21 @@ def reusable_checkpoint(
     parsed, sha = load_recipe(recipe)
     parsed = with_default_calibration(parsed)
     ref = resolve_model(model or parsed.model)
-    env = manifest.environment or {}
+    source_digest = model_digest(ref.path)
     changed = [
         what
         for what, same in (
             ("recipe file", manifest.recipe_source.get("sha256") == sha),
-            ("source model", env.get("source_model_sha256") == model_digest(ref.path)),
+            ("source model", (manifest.environment or {}).get("source_model_sha256") == source_digest),
             ("--trust-remote-code", manifest.vllm_args.trust_remote_code == trust_remote_code),
             ("library versions", manifest.versions == library_versions()),
             ("calibration data", _same_calibration(manifest.calibration, parsed, data_dir, ref.path)),
         )
         if not same
     ]
-    return f"{out} was made with a different {', '.join(changed)}" if changed else opened
+    return (
+        f"{out} was made with a different {', '.join(changed)}" if changed else replace(opened, source=(ref.path, source_digest))
+    )
 
 
 def _same_calibration(recorded: dict | None, recipe: Any, data_dir: Path | None, model_path: Path) -> bool:
