@@ -1,14 +1,29 @@
-"""Where qserve keeps its state: the converted default model and the last checkpoint."""
+"""Where qserve keeps its state (the converted default model, the last checkpoint) and how it writes
+files whole."""
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import stat
 from pathlib import Path
+from typing import Any
 
 from qserve.errors import QserveError
+
+
+def write_json(path: Path, data: Any) -> None:
+    write_text(path, json.dumps(data, indent=2, default=str) + "\n")
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write through a temporary file so a crash never leaves half a record."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # per process: concurrent writers never share one
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def cache_dir() -> Path:

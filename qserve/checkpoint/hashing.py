@@ -32,7 +32,7 @@ def hashed_paths(directory: Path) -> list[Path]:
 
 def is_record(rel: Path) -> bool:
     """Whether a checkpoint's file (relative path) is one of qserve's own records, which no hash covers."""
-    # records.write_text writes "<record>.<pid>.tmp" first; one left by a crash is still a record's
+    # paths.write_text writes "<record>.<pid>.tmp" first; one left by a crash is still a record's
     name = rel.name.rsplit(".", 2)[0] if rel.name.endswith(".tmp") else rel.name
     return (len(rel.parts) == 1 and name in RECORD_NAMES) or rel.parts[0] in RECORD_DIRS
 

@@ -46,7 +46,7 @@ def gate(
     """
     from qserve.gate.decisions import parse_cli_gates
     from qserve.gate.external import format_report, gate_runs
-    from qserve.gate.records import write_json
+    from qserve.paths import write_json
 
     summary = gate_runs(baseline, quantized, parse_cli_gates(gate or []), split(tasks), looks_from)
     if out is not None:
@@ -78,7 +78,7 @@ def gate_levels(
     with step("simulating the gate's bounds"):
         page = markdown(simulate(draws), simulate_binary(draws), tail_rows(draws), provenance(draws))
     if out is not None:
-        from qserve.gate.records import write_text
+        from qserve.paths import write_text
 
         write_text(out, page + "\n")
     typer.echo(page)

@@ -123,8 +123,8 @@ def _with_real_weights(out: Path | None, columns: list[str], workdir: Path | Non
 
 
 def _write(out: Path, record: dict) -> None:
-    from qserve.gate.records import write_text
     from qserve.matrix.page import markdown
+    from qserve.paths import write_text
 
     page = markdown(record["cells"], record["provenance"], record["served"], record.get("real_weights", []))
     write_text(out, page + "\n")

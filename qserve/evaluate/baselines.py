@@ -21,7 +21,7 @@ from qserve import paths
 from qserve.checkpoint.hashing import sha256_file, sha256_json
 from qserve.checkpoint.manifest import library_versions
 from qserve.errors import QserveError
-from qserve.gate.records import write_json
+from qserve.paths import write_json
 
 FORMAT = 2
 

@@ -13,8 +13,9 @@ from typing import Any
 from qserve.checkpoint.manifest import LM_EVAL_RESULTS_NAME, REPORT_NAME, Manifest
 from qserve.gate.card import CARD_NAME, gate_rows, md_table, model_card, text_table
 from qserve.gate.decisions import Gate
-from qserve.gate.records import write_eval, write_json, write_text
+from qserve.gate.records import write_eval
 from qserve.gate.schema import EvalRecord
+from qserve.paths import write_json, write_text
 
 
 def write_all(ckpt: Path, manifest: Manifest, record: EvalRecord, raw: dict[str, Any]) -> None:

@@ -1,10 +1,9 @@
-"""qserve's records beside a checkpoint: atomic JSON/text writes, the eval record read and written
+"""qserve's records beside a checkpoint: the eval record read and written
 (its schema: schema.py), the gate check against a policy, signing, the last output."""
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,19 +18,8 @@ from qserve.gate.card import model_card
 from qserve.gate.decisions import Gate, Status
 from qserve.gate.policy import GateSpec, Policy, allowed_degradation, read_policy, recipe_policy
 from qserve.gate.schema import EVAL_SCHEMA_VERSION, EvalRecord, Waiver
+from qserve.paths import write_json, write_text
 from qserve.progress import info
-
-
-def write_json(path: Path, data: Any) -> None:
-    write_text(path, json.dumps(data, indent=2, default=str) + "\n")
-
-
-def write_text(path: Path, text: str) -> None:
-    """Write through a temporary file so a crash never leaves half a record."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # per process: concurrent writers never share one
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _checked(record: dict[str, Any], path: Path) -> EvalRecord:

@@ -149,7 +149,7 @@ EXPERTS_IGNORED = r"re:.*\.experts\..*"
 
 def name_unquantized_experts(ckpt: Path) -> None:
     """Add EXPERTS_IGNORED to the checkpoint's quantization-config ignore list (experts all 16-bit)."""
-    from qserve.gate.records import write_text
+    from qserve.paths import write_text
 
     path = ckpt / "config.json"
     config = json.loads(path.read_text())

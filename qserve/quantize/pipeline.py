@@ -17,8 +17,8 @@ from qserve.checkpoint.manifest import MANIFEST_NAME, Manifest, VllmArgs, hash_f
 from qserve.compat import patched
 from qserve.errors import QserveError, is_out_of_memory
 from qserve.gate.card import CARD_NAME, model_card
-from qserve.gate.records import write_text
 from qserve.models.sources import ModelRef, resolve_model
+from qserve.paths import write_text
 from qserve.progress import info, step
 from qserve.quantize import architecture, backends
 from qserve.quantize.execution import (

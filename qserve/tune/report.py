@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from qserve.gate.records import write_json, write_text
+from qserve.paths import write_json, write_text
 
 SENSITIVITY = "sensitivity"
 PARETO = "pareto"
