@@ -114,3 +114,26 @@ def test_a_user_who_may_not_leave_idle_priority_gets_no_warm_server() -> None:
         "qserve: this user may not bring a process back from idle priority (RLIMIT_NICE, CAP_SYS_NICE); "
         "nothing served from this interpreter\n",
     ), proc.stderr
+
+
+def test_a_held_log_opens_with_qserves_lines_whatever_the_server_wrote_before(tmp_path: Path) -> None:
+    """The warm server's interpreter writes (vLLM's import-time lines) before the gate's header is
+    known: its output waits until the header is written, so the log's first lines are qserve's."""
+    from qserve.serve.server import _log_sink
+
+    log, wrote = tmp_path / "serve.log", tmp_path / "wrote"
+    script = f"echo early; touch {wrote}; read x; echo late"
+    sink = _log_sink(log, verbose=False, held=True)
+    proc = subprocess.Popen(["sh", "-c", script], stdin=subprocess.PIPE, stdout=sink.stdout, stderr=subprocess.STDOUT)
+    sink.start(proc)
+    _wait_for(wrote.exists, timeout=10)
+    time.sleep(0.2)  # the copier has read "early" by now, or reads it later: the order holds either way
+    sink.write_header(["gate PASS (look 1)", "override: --policy loose.yaml"])
+    proc.communicate(b"\n", timeout=10)
+    sink.__exit__(None, None, None)
+    assert log.read_text().splitlines() == [
+        "qserve: gate PASS (look 1)",
+        "qserve: override: --policy loose.yaml",
+        "early",
+        "late",
+    ]

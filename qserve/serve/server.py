@@ -154,7 +154,7 @@ def _start_warm(ckpt: Path, endpoint: Endpoint, extra_args: list[str] | None, ve
         p = plan(ckpt, read_manifest(ckpt), detect.detect_device(), endpoint, extra_args)
     except QserveError:
         return None  # serve says why, after the gate
-    sink = _log_sink(p.log, verbose)
+    sink = _log_sink(p.log, verbose, held=True)
     pipes = {"stdin": subprocess.PIPE, "stdout": sink.stdout, "stderr": subprocess.STDOUT}
     proc = subprocess.Popen(WARM_COMMAND, env=p.env, start_new_session=True, **pipes)
     sink.start(proc)
@@ -314,37 +314,55 @@ def _last_line(log: Path) -> str:
 
 
 class _log_sink:
-    """Where the server's output goes: the log file, or (verbose) a pipe copied to the file and stderr."""
+    """Where the server's output goes: the log file, or (verbose) a pipe copied to the file and stderr.
 
-    def __init__(self, log: Path, verbose: bool) -> None:
+    `held`: for a server started before its header is known (the warm server), its output waits in
+    memory until `write_header`, so that the log always opens with qserve's own lines."""
+
+    def __init__(self, log: Path, verbose: bool, held: bool = False) -> None:
         self.file = os.fdopen(open_log(log), "wb")  # the log of this run
         self.verbose = verbose
-        self.stdout = subprocess.PIPE if verbose else self.file
+        self.stdout = subprocess.PIPE if verbose or held else self.file
         self._copier: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._waiting: list[bytes] | None = [] if held else None
 
     def __enter__(self) -> _log_sink:
         return self
 
     def write_header(self, lines: list[str]) -> None:
         """qserve's own lines before vLLM's: what passed the gate, and every override of it."""
-        self.file.write("".join(f"qserve: {line}\n" for line in lines).encode())
+        with self._lock:
+            self.file.write("".join(f"qserve: {line}\n" for line in lines).encode())
+            self._release()
+
+    def _release(self) -> None:
+        self.file.writelines(self._waiting or [])
         self.file.flush()
+        self._waiting = None
 
     def start(self, proc: subprocess.Popen) -> None:
-        if self.verbose:
+        if proc.stdout is not None:
             self._copier = threading.Thread(target=self._copy, args=(proc.stdout,), daemon=True)
             self._copier.start()
 
     def _copy(self, pipe) -> None:
         for line in iter(pipe.readline, b""):
-            self.file.write(line)
-            self.file.flush()
-            sys.stderr.buffer.write(line)
-            sys.stderr.flush()
+            with self._lock:
+                if self._waiting is not None:
+                    self._waiting.append(line)
+                else:
+                    self.file.write(line)
+                    self.file.flush()
+            if self.verbose:
+                sys.stderr.buffer.write(line)
+                sys.stderr.flush()
 
     def __exit__(self, *exc) -> None:
         if self._copier is not None:
             self._copier.join(timeout=5)
+        with self._lock:
+            self._release()  # a server never taken: its lines, with no header to wait for
         self.file.close()
 
 
