@@ -129,7 +129,8 @@ def test_a_held_log_opens_with_qserves_lines_whatever_the_server_wrote_before(tm
     _wait_for(wrote.exists, timeout=10)
     time.sleep(0.2)  # the copier has read "early" by now, or reads it later: the order holds either way
     sink.write_header(["gate PASS (look 1)", "override: --policy loose.yaml"])
-    proc.communicate(b"\n", timeout=10)
+    proc.stdin.close()
+    proc.wait(timeout=10)
     sink.__exit__(None, None, None)
     assert log.read_text().splitlines() == [
         "qserve: gate PASS (look 1)",

@@ -51,7 +51,10 @@ def await_command() -> Callable[[], list[str]]:
 
 
 def _end(why: str) -> None:
-    print(f"qserve: {why}; nothing served from this interpreter", flush=True)
+    try:
+        print(f"qserve: {why}; nothing served from this interpreter", flush=True)
+    except OSError:
+        pass  # qserve, which reads this output, is gone: end all the same
     os._exit(0)
 
 
