@@ -100,3 +100,16 @@ def test_bench_needs_a_checkpoint_or_suite() -> None:
     proc = run_qserve("bench")
     assert proc.returncode == 1
     assert proc.stderr.strip() == "error: pass CHECKPOINT to benchmark, or --suite"
+
+
+def test_a_failing_benchmark_command_names_itself_and_its_last_line() -> None:
+    """The suite's measured commands run without a terminal: a failure says what failed and why."""
+    import sys
+
+    from qserve.bench.suite import measure
+    from qserve.errors import QserveError
+
+    with pytest.raises(QserveError) as failed:
+        measure([sys.executable, "-c", "import sys\nprint('a library line', file=sys.stderr)\nsys.exit('boom: the cause')"])
+    assert str(failed.value) == f"benchmark command failed (1): {sys.executable} -c <script>: boom: the cause"
+    assert set(measure([sys.executable, "-c", "pass"])) == {"code", "seconds", "peak_rss_mib"}

