@@ -103,6 +103,18 @@ def test_pareto_tails_are_outside_the_guarantee_as_the_page_and_readme_say() -> 
     assert not {s.name for s in levels.OUTSIDE} & {s.name for s in levels.SHAPES if s not in levels.OUTSIDE}
 
 
+def test_a_second_look_keeps_its_share_only_for_unskewed_losses_as_the_page_says() -> None:
+    """At a second look (0.76 %) the t bound keeps its share for near-constant, normal and Student t
+    losses and exceeds it on skewed or Pareto-tailed ones: the page and README say that for those the
+    5 % over all looks is proven for a first look only. This fails when that changes either way."""
+    later = levels.later_rows(DRAWS)
+    lim = levels.limit(4 * DRAWS, looks.level(2))
+    assert {r["level"] for r in later} == {looks.level(2)} and {r["draws"] for r in later} == {4 * DRAWS}
+    over = {r["shape"] for r in later if r["false_pass"] > lim}
+    assert over and over <= {"lognormal-1", "lognormal-1.5", "length-correlated", "pareto-4", "pareto-3"}
+    assert not over & {"constant", "normal", "student-t3"}
+
+
 def test_the_looks_spend_at_most_5_percent_in_all() -> None:
     assert sum(looks.level(k) for k in range(1, 100_000)) < 0.05
     assert looks.level(2) == pytest.approx(looks.level(1) / 4)

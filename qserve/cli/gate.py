@@ -72,11 +72,11 @@ def gate_levels(
     Example:
       qserve gate-levels --out docs/gate-levels.md
     """
-    from qserve.gate.levels import markdown, provenance, simulate, simulate_binary, tail_rows
+    from qserve.gate.levels import later_rows, markdown, provenance, simulate, simulate_binary, tail_rows
     from qserve.progress import step
 
     with step("simulating the gate's bounds"):
-        page = markdown(simulate(draws), simulate_binary(draws), tail_rows(draws), provenance(draws))
+        page = markdown(simulate(draws), simulate_binary(draws), tail_rows(draws), provenance(draws), later_rows(draws))
     if out is not None:
         from qserve.paths import write_text
 
