@@ -93,26 +93,59 @@ def test_several_tasks_pass_only_together_which_keeps_the_level_without_a_correc
     assert np.mean(paired_binary.passes(good[:, 0], good[:, 1], n, delta, level)) > 0.95
 
 
-def test_pareto_tails_are_outside_the_guarantee_as_the_page_and_readme_say() -> None:
-    """The t bound's size rules do not hold for Pareto-tailed losses at larger n, nor under per-word
-    noise at any n: the page and README say so. Each outside shape exceeds the level somewhere; this
-    fails when a rule that covers one lands (then move it into SHAPES and widen the claim)."""
+def test_the_class_reaches_pareto_tails_of_index_2_5_with_and_without_per_word_noise(rows) -> None:
+    """The issue's case: Pareto-tailed per-document losses (index 2.5-3) under per-word noise passed a
+    model at the allowance 5.1-5.4 % of the time on a first look. They are in the class now, and the
+    first-look test above holds them to 3.04 % at every n to 5,000."""
+    names = {s.name for s in levels.SHAPES}
+    assert {"pareto-2.5", "pareto-2.5-noisy", "pareto-2.5-quiet", "pareto-3-noisy", "pareto-3", "lognormal-1.5"} <= names
+    assert {r["n"] for r in rows} >= {70, 1000, 5000}
+
+
+def test_without_the_tail_allowance_pareto_tails_pass_too_often(monkeypatch) -> None:
+    """The same simulation with Student t's critical value alone (TAIL = 0): the Pareto 2.5 shape under
+    per-word noise passes more often than a first look allows, so the allowance is what keeps the level."""
+    monkeypatch.setattr(stats, "TAIL", 0.0)
+    shape = next(s for s in levels.SHAPES if s.name == "pareto-2.5-noisy")
+    plain = levels.simulate(DRAWS, sizes=(100,), shapes=(shape,))
+    assert all(r["false_pass"] > levels.limit(DRAWS, looks.level(1)) for r in plain), plain
+
+
+def test_outside_the_class_a_loss_in_1_percent_of_documents_passes_too_often() -> None:
+    """The page's boundary is real: a loss no sample of a few hundred documents is likely to draw exceeds
+    the level, whatever the bound (so README names the class rather than every distribution)."""
     tails = levels.tail_rows(DRAWS)
-    over = {r["shape"] for r in tails if r["false_pass"] > levels.limit(DRAWS, looks.level(1))}
-    assert over == {s.name for s in levels.OUTSIDE}
-    assert not {s.name for s in levels.OUTSIDE} & {s.name for s in levels.SHAPES if s not in levels.OUTSIDE}
+    over = {(r["shape"], r["n"]) for r in tails if r["false_pass"] > levels.limit(DRAWS, looks.level(1))}
+    assert ("rare-1%", 100) in over and {s.name for s in levels.OUTSIDE}.isdisjoint(s.name for s in levels.SHAPES)
 
 
-def test_a_second_look_keeps_its_share_only_for_unskewed_losses_as_the_page_says() -> None:
-    """At a second look (0.76 %) the t bound keeps its share for near-constant, normal and Student t
-    losses and exceeds it on skewed or Pareto-tailed ones: the page and README say that for those the
-    5 % over all looks is proven for a first look only. This fails when that changes either way."""
+@pytest.mark.matrix  # 13 shapes x 3 n x 2 bounds on 8,000 draws: a few minutes, so CI's second phase
+def test_later_looks_keep_their_share_for_every_shape_of_the_class() -> None:
+    """Looks 2 and 5 (0.76 % and 0.12 %), on four times the draws: no shape of the class above its
+    share at n 100-1,000. A fixed fraction of each level is not enough (the skewness error grows as t^2)."""
     later = levels.later_rows(DRAWS)
-    lim = levels.limit(4 * DRAWS, looks.level(2))
-    assert {r["level"] for r in later} == {looks.level(2)} and {r["draws"] for r in later} == {4 * DRAWS}
-    over = {r["shape"] for r in later if r["false_pass"] > lim}
-    assert over and over <= {"lognormal-1", "lognormal-1.5", "length-correlated", "pareto-4", "pareto-3"}
-    assert not over & {"constant", "normal", "student-t3"}
+    assert {r["level"] for r in later} == {looks.level(2), looks.level(5)} and {r["draws"] for r in later} == {4 * DRAWS}
+    assert len(later) == 2 * 2 * len(levels.SHAPES) * len(levels.LATER_SIZES)
+    over = [r for r in later if r["false_pass"] > levels.limit(4 * DRAWS, r["level"])]
+    assert over == [], over
+
+
+def test_every_look_together_stays_within_5_percent_and_a_good_model_passes() -> None:
+    """One user at --limit 100, then 300, then 1000 (the issue measured 7.8 % for Pareto tails): any look
+    passing a model at the allowance stays within 5 % for every shape; a good model on normal losses passes."""
+    seq = levels.sequence_rows(DRAWS)
+    assert len(seq) == 2 * len(levels.SHAPES)
+    assert [r for r in seq if r["false_pass"] > levels.limit(DRAWS, 0.05)] == []
+    cell = {(r["bound"], r["shape"]): r for r in seq}
+    assert cell[("corpus", "normal")]["power"] > 0.95 and cell[("corpus", "pareto-2.5-noisy")]["power"] > 0.8
+
+
+def test_skewed_losses_decide_at_a_few_hundred_items(rows) -> None:
+    """Power counts as much as level: at half the allowance, 500 documents pass lognormal, Pareto-4 and
+    length-correlated losses about half the time (the doubled skewness rule before passed them 12-17 %)."""
+    cell = {(r["bound"], r["shape"], r["n"]): r["power"] for r in rows}
+    assert min(cell[("corpus", s, 500)] for s in ("lognormal-1", "pareto-4", "length-correlated")) > 0.4
+    assert cell[("corpus", "normal", 70)] > 0.6 and cell[("corpus", "student-t3", 500)] > 0.85
 
 
 def test_the_looks_spend_at_most_5_percent_in_all() -> None:
@@ -121,7 +154,7 @@ def test_the_looks_spend_at_most_5_percent_in_all() -> None:
 
 
 def test_a_second_look_at_the_allowance_passes_less_often() -> None:
-    second = levels.simulate(DRAWS, sizes=(100,), alpha=looks.level(2))
+    second = levels.simulate(DRAWS, sizes=(100,), alphas=(looks.level(2),))
     first = levels.simulate(DRAWS, sizes=(100,))
     cell = lambda rows: next(r for r in rows if (r["bound"], r["shape"]) == ("corpus", "normal"))  # noqa: E731
     assert cell(second)["false_pass"] <= looks.level(2) + 3 * math.sqrt(looks.level(2) / DRAWS)

@@ -66,17 +66,17 @@ def gate_levels(
     (power), by n, by allowance and flip rate for 0/1 tasks, and by the shape of per-item losses for
     perplexities: the tables to choose --limit from before spending the compute.
 
-    Seeded simulation through qserve's own bounds (about a minute); tests/test_gate_levels.py asserts it.
+    Seeded simulation through qserve's own bounds (a few minutes); tests/test_gate_levels.py asserts it.
 
     \b
     Example:
       qserve gate-levels --out docs/gate-levels.md
     """
-    from qserve.gate.levels import later_rows, markdown, provenance, simulate, simulate_binary, tail_rows
+    from qserve.gate.levels import page as levels_page
     from qserve.progress import step
 
     with step("simulating the gate's bounds"):
-        page = markdown(simulate(draws), simulate_binary(draws), tail_rows(draws), provenance(draws), later_rows(draws))
+        page = levels_page(draws)
     if out is not None:
         from qserve.paths import write_text
 

@@ -145,8 +145,8 @@ def _look_line(record: EvalRecord) -> str | None:
 
 # The class of loss shapes a pass's level holds for, as README and docs/gates.md state it.
 GUARANTEE = (
-    "exact for 0/1 metrics; for perplexities and other means, for the loss shapes docs/gate-levels.md covers, "
-    "Pareto-tailed losses outside them"
+    "exact for 0/1 metrics; for perplexities and other means, for the class of loss shapes docs/gate-levels.md covers "
+    "(tails up to Pareto index 2.5, a loss in at least 5 % of documents)"
 )
 
 

@@ -281,7 +281,7 @@ def items_needed(cmp: Comparison, deg: float, allowed: float) -> int | None:
         need = paired_binary.items_for_power(lost, gained, min(allowed, 1 - 1e-9), b.level)
         return max(need, b.items + 1) if need is not None else None
     gap = abs(deg - allowed)
-    half = (b.upper - b.lower) / 2
+    half = b.upper - deg if deg < allowed else deg - b.lower  # the side that must clear the allowance
     if gap == 0 or half <= 0 or not math.isfinite(half):
         return None
     return max(b.items + 1, b.needs or 0, math.ceil(b.items * (half / gap) ** 2))
