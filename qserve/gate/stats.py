@@ -14,13 +14,13 @@ tests/test_gate_levels.py proves each bound by simulation (`qserve gate-levels` 
   is exact for normal terms, but skewed and heavy-tailed terms make its upper bound too low: the
   sample misses the tail, so both its mean and its spread come out small. Three rules keep the level
   for the class of loss shapes docs/gate-levels.md simulates (tails up to Pareto index 2.5, with or
-  without per-word noise, at any look):
+  without per-word noise, at the looks and n the page shows):
   * the upper bound's critical value is t + TAIL t^2, where t is Student's. The skewness error of a
     studentized mean grows as t^2 (the n^-1/2 term of its Edgeworth expansion, Hall, The Bootstrap and
     Edgeworth Expansion, 1992, 2.6), which is why a later look, at a smaller level, needs relatively
     more; the sample's own skewness cannot size it (a Pareto sample that missed its tail looks normal),
     so TAIL is sized on the class's least favourable shapes: the least value that keeps every shape at
-    every look within its level (seeded simulation, 200,000 samples a cell), and a quarter on top;
+    every look within its level (a seeded simulation), and a quarter on top;
   * at least log(alpha) / log(0.95) items (policy.min_items: 59 at 5 %, 69 at a first look's
     3.04 %): below that, a loss carried by 5 % of documents is missed by the whole sample more than
     alpha of the time, and no formula can see it;
@@ -28,8 +28,8 @@ tests/test_gate_levels.py proves each bound by simulation (`qserve gate-levels` 
     normal approximation of a mean holds, as revised by Sugden, Smith and Jones (2000, Survey
     Methodology 26(2)). Strongly skewed per-document losses therefore need more documents; the gate
     says how many.
-  No rule on a sample covers every tail with finite variance (Bahadur and Savage, 1956): a Pareto tail
-  of index 2.2 under per-word noise is outside the class, and the page shows by how much.
+  No rule on a sample covers every distribution with a finite variance (Bahadur and Savage, 1956): a
+  loss carried by 1 % of documents is outside the class, and the page shows by how much.
   Bootstrap bounds were measured and rejected: BCa (qserve's earlier bound) passed a model at the
   allowance up to 19 % of the time at n = 100 (lognormal sigma 1.5), the studentized bootstrap 14 %.
 
@@ -138,7 +138,7 @@ def linearized_t(estimate, terms, alpha: float = ONE_SIDED) -> dict[str, Any]:
 
     terms = np.asarray(terms, dtype=float)
     n = terms.shape[0]
-    squares = terms * terms  # products, not powers: numpy's float power is several times slower
+    squares = terms * terms
     m2 = np.mean(squares, axis=0)
     se = np.sqrt(m2 * n / (n - 1) / n)
     t_crit = float(t.ppf(1 - alpha, n - 1))
