@@ -30,7 +30,10 @@ def cache_dir() -> Path:
     """QSERVE_CACHE_DIR, else $XDG_CACHE_HOME/qserve, else ~/.cache/qserve."""
     explicit = os.environ.get("QSERVE_CACHE_DIR")
     if explicit:
-        return Path(explicit).expanduser()
+        path = Path(explicit).expanduser()
+        if path.exists() and not path.is_dir():
+            raise QserveError(f"QSERVE_CACHE_DIR={explicit} is not a directory; point it at a directory qserve may create or use")
+        return path
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "qserve"
 

@@ -68,6 +68,21 @@ EXPECTED = {
 }
 
 
+def _bfloat16_kernel_here() -> bool:
+    """Read from /proc/cpuinfo here, not through qserve's detection: AVX512_BF16 or AMX-BF16 (or the
+    documented QSERVE_NATIVE_BFLOAT16 override, which runs the suite as on a host without one)."""
+    forced = os.environ.get("QSERVE_NATIVE_BFLOAT16")
+    if forced in ("0", "1"):
+        return forced == "1"
+    flags = set(next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "").split())
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+BFLOAT16_KERNEL = _bfloat16_kernel_here()
+# The baseline's dtype on this host: vLLM's default on CPUs with a bfloat16 kernel, float32 without one.
+BASELINE_DTYPE = ("auto", "bfloat16") if BFLOAT16_KERNEL else ("float32", "float32")  # (asked, run in)
+
+
 def support_here(name: str) -> support.Support:
     """What the support matrix claims for recipe `name`'s checkpoint on this machine's CPU."""
     scheme, method, kv = EXPECTED[name]

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import CACHE_DIR, EVAL_LIMIT, copy_checkpoint, needs_vllm, run_qserve, run_qserve_in_process
+from conftest import BASELINE_DTYPE, CACHE_DIR, EVAL_LIMIT, copy_checkpoint, needs_vllm, run_qserve, run_qserve_in_process
 
 from qserve.checkpoint.manifest import EVAL_NAME
 from qserve.checkpoint.tensors import quantized_layer_bytes
@@ -49,10 +49,13 @@ def test_compare_shares_one_cached_baseline_and_writes_table_plot_json(checkpoin
         assert r["gates"][0]["task"] == "gsm8k_ppl" and r["gates"][0]["recovery"] > 0.5
         assert r["decode_tokens_per_second"] > 0 and 0 < r["size_vs_bf16"] < 1
     assert result["baseline"]["decode_tokens_per_second"] > 0
-    # The baseline is the source model as vLLM serves it by default (dtype auto: its own bfloat16),
-    # for the gate's engine (a cache miss: a fresh cache) and for the decode row.
-    assert result["baseline"]["dtype"] == "bfloat16"
-    assert "note: vLLM runs the baseline HuggingFaceTB/SmolLM2-135M-Instruct in bfloat16 (dtype auto)" in proc.stderr.splitlines()
+    # The baseline is the source model as vLLM serves it by default (dtype auto: its own bfloat16), in
+    # float32 on a CPU without a bfloat16 kernel, for the gate's engine (a cache miss: a fresh cache)
+    # and for the decode row.
+    asked, runs_in = BASELINE_DTYPE
+    assert result["baseline"]["dtype"] == runs_in
+    started = f"starting vLLM for the baseline HuggingFaceTB/SmolLM2-135M-Instruct (dtype={asked}, quantization=None, kv_cache_dtype=auto)"
+    assert f"> {started} ..." in proc.stderr.splitlines()
     records = {name: json.loads((out / f"out-{name}" / EVAL_NAME).read_text()) for name in rows}
     assert records["w4a16-gptq"]["baseline_cache"]["misses"] == ["gsm8k_ppl"]
     assert records["w8a8-int8"]["baseline_cache"]["hits"] == ["gsm8k_ppl"]  # one baseline engine, not two

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from conftest import (
+    BASELINE_DTYPE,
     DEMO_LIMIT,
     DEMO_TASKS,
     EVAL_LIMIT,
@@ -53,7 +54,8 @@ def test_eval_writes_results_and_passes(passed_eval) -> None:
         "dtype": "bfloat16",
         "trust_remote_code": False,
     }
-    assert summary["engine_args"]["baseline"]["dtype"] == "auto"  # as vLLM serves the source model (bfloat16: test_demo)
+    # As vLLM serves the source model (auto: bfloat16), in float32 on a CPU without a bfloat16 kernel.
+    assert summary["engine_args"]["baseline"]["dtype"] == BASELINE_DTYPE[0]
     # Both sides scored by qserve's lm-eval class, named with the hash of its source (as the baseline key is).
     name, source_sha = summary["scoring"].split(":")
     assert name == "qserve.engines.vllm.lm_eval_vllm_class" and len(source_sha) == 16

@@ -210,3 +210,31 @@ def test_looks_from_an_earlier_record_continue_its_history(tmp_path: Path) -> No
         f"error: the look history in {edited} was edited: look 1 does not follow the one before it "
         "(an entry was removed, reordered or changed); the gate cannot count the looks at these weights"
     )
+
+
+def test_eval_and_gate_decide_alike_on_the_same_outputs(tmp_path: Path) -> None:
+    """`qserve gate` on two lm-eval output folders, and `qserve eval`'s engine runs holding the same
+    results and per-item values: the same gates, field for field (both decide through gate.core)."""
+    from dataclasses import asdict
+
+    from qserve.evaluate.lm_eval_run import EngineRun
+    from qserve.gate import looks, stats
+    from qserve.gate.core import decide_gates
+    from qserve.gate.external import gate_runs
+    from qserve.gate.policy import GateSpec
+
+    b, q, *_ = _pair(tmp_path)
+    specs = {"ppl_task": [GateSpec(max_increase=0.05)], "qa_task": [GateSpec(min_recovery=0.95), GateSpec(max_drop=0.2)]}
+    from_gate = gate_runs(b, q, specs, ["ppl_task", "qa_task"])["gates"]
+    metrics = {"ppl_task": "word_perplexity,none", "qa_task": "exact_match,strict-match"}
+
+    def engine_run(run: Path) -> EngineRun:
+        items = {}
+        for task, metric in metrics.items():
+            lines = next(run.rglob(f"samples_{task}_*.jsonl")).read_text().splitlines()
+            items[task] = {metric: stats.item_values([json.loads(line) for line in lines], metric)}
+        return EngineRun(json.loads(_results(run).read_text()), items)
+
+    from_eval = decide_gates(specs, metrics, engine_run(b), engine_run(q), looks.level(1))
+    assert [asdict(g) for g in from_eval] == from_gate
+    assert [g["status"] for g in from_gate] == ["pass", "inconclusive", "pass"]

@@ -292,5 +292,5 @@ def test_paired_noise_is_tighter_than_unpaired() -> None:
 def test_tasks_registry_has_multiple_choice() -> None:
     names = {t.name for t in get_tasks(["gsm8k", "gsm8k_ppl", "gsm8k_mc", "arc_easy"])}
     assert names == {"gsm8k", "gsm8k_ppl", "gsm8k_mc", "arc_easy"}
-    with pytest.raises(QserveError, match="unknown task mmlu; available: arc_easy, gsm8k, gsm8k_mc, gsm8k_ppl"):
-        get_tasks(["mmlu"])
+    with pytest.raises(QserveError, match="^unknown task mmlux "):
+        get_tasks(["mmlux"])

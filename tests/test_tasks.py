@@ -53,13 +53,15 @@ def test_missing_task_data_is_one_clear_error(tmp_path: Path) -> None:
 
 
 def test_each_base_task_is_read_from_the_yaml_lm_evals_own_index_names() -> None:
-    """The text search for a task's YAML finds the file lm-eval's TaskManager indexes under that name."""
+    """qserve's cached copy of lm-eval's task index is TaskManager's own: every name, and for the tasks
+    evals/ builds on, the same YAML file."""
     from lm_eval.tasks import TaskManager
 
-    from qserve.evaluate.tasks import _declaring_yaml, registry
+    from qserve.evaluate.tasks import TaskIndex, registry
 
     index = TaskManager().task_index
+    cached = TaskIndex().entries
     bases = sorted({t.lm_eval_task for t in registry().values() if t.lm_eval_task})
     assert bases == ["arc_easy", "gsm8k"]
-    assert {name: _declaring_yaml(name) for name in bases} == {name: Path(index[name].yaml_path) for name in bases}
-    assert _declaring_yaml("no_such_task") is None and "no_such_task" not in index
+    assert {name: Path(cached[name]["yaml_path"]) for name in bases} == {name: Path(index[name].yaml_path) for name in bases}
+    assert set(cached) == set(index) and "no_such_task" not in cached

@@ -233,7 +233,7 @@ def eval_vs_lm_eval(ckpt: Path, work: Path, data_dir: Path) -> dict[str, Any]:
         "limit": EVAL_LIMIT,
         "engines": [
             engine.engine_kwargs(ckpt, manifest.vllm_args, device),
-            engine.engine_kwargs(baseline_model(manifest).path, engine.baseline_args(), device),
+            engine.engine_kwargs(baseline_model(manifest).path, engine.baseline_args(device), device),
         ],
     }
     spec_file = work / "raw_lm_eval.json"
@@ -278,7 +278,7 @@ def decode_vs_baseline(ckpts: dict[str, Path]) -> dict[str, Any]:
     first = read_manifest(next(iter(ckpts.values())))
     base = baseline_model(first)
     out: dict[str, Any] = {}
-    with engine.open_engine(base.path, engine.baseline_args(), device, "the baseline (decode speed)") as lm:
+    with engine.open_engine(base.path, engine.baseline_args(device), device, "the baseline (decode speed)") as lm:
         out["baseline"] = throughput.decode_throughput(lm) | {"dtype": engine.resolved_dtype(lm)}
     for name, ckpt in ckpts.items():
         manifest = read_manifest(ckpt)

@@ -54,7 +54,7 @@ def eval_throughput(w8a8_ckpt: Path, data_dir: Path, limit: int = LIMIT) -> dict
     with step("eval throughput: matmul peaks (float32, bfloat16, int8; torch's and vLLM's kernels)"):
         kernels = {d: peak.matmul_gflops(d) for d in ("float32", "bfloat16", "int8")}
     rates = {d: max(by_kernel.values()) for d, by_kernel in kernels.items()}
-    baseline = engine.baseline_args()
+    baseline = engine.baseline_args(device)
     # dtype -> the model, its engine arguments and the dtype each part of its FLOPs runs in
     sides: dict[str, tuple[Path, VllmArgs, dict[str, str]]] = {
         "float32": (base, baseline.model_copy(update={"dtype": "float32"}), dict.fromkeys(flops, "float32")),

@@ -11,6 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
+from qserve import paths
 from qserve.errors import EXIT_ERROR, EXIT_GATE_FAILED, EXIT_GATE_INCONCLUSIVE, QserveError, Stopped
 from qserve.gate.spending import MIN_ITEMS
 from qserve.runtime.capture import library_output  # noqa: F401  (the commands' log capture)
@@ -47,7 +48,8 @@ TasksOpt = Annotated[
     typer.Option(
         "--tasks",
         "-t",
-        help="Comma-separated tasks from evals/ (gsm8k_ppl, gsm8k, gsm8k_mc, arc_easy). Default: the recipe's gated tasks.",
+        help="Comma-separated tasks: qserve's evals/ (gsm8k_ppl, gsm8k, gsm8k_mc, arc_easy) or any task or tag lm-eval "
+        "knows (arc_challenge, gsm8k_cot_llama, ...). Default: the recipe's gated tasks.",
     ),
 ]
 LimitOpt = Annotated[int | None, typer.Option("--limit", "-l", min=1, help="Evaluate only the first N items of each task.")]
@@ -107,6 +109,7 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
+            paths.cache_dir()  # a QSERVE_CACHE_DIR naming a file is refused before any work
             return fn(*args, **kwargs)
         except QserveError as exc:
             typer.echo(f"error: {one_line(str(exc))}", err=True)
@@ -117,12 +120,29 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except Stopped as exc:  # the vLLM process group is already gone
             typer.echo(str(exc), err=True)
             raise typer.Exit(128 + exc.signum) from None
-        except OSError as exc:  # full disk, permissions: the user's to fix, not a crash
+        except OSError as exc:  # full disk, permissions; or qserve's own bug: its traceback is kept
             where = f": {exc.filename}" if exc.filename else ""
-            typer.echo(f"error: {exc.strerror or exc}{where}", err=True)
+            typer.echo(f"error: {exc.strerror or exc}{where} (traceback in {_keep_traceback()})", err=True)
             raise typer.Exit(EXIT_ERROR) from None
 
     return wrapper
+
+
+def _keep_traceback() -> Path:
+    """Write the exception being handled to a log of its own (the cache's, else the temp dir's)."""
+    import tempfile
+    import traceback
+
+    for folder in (lambda: paths.cache_dir() / "logs", lambda: Path(tempfile.gettempdir())):
+        try:
+            target = folder()
+            target.mkdir(parents=True, exist_ok=True)
+            log = target / f"error-{os.getpid()}.log"
+            log.write_text(traceback.format_exc())
+            return log
+        except (OSError, QserveError):
+            continue
+    return Path("/dev/null")
 
 
 def one_line(message: str) -> str:

@@ -27,6 +27,25 @@ from qserve.cli._common import (
     verdict_exit,
 )
 
+IncludePathOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--include-path",
+        file_okay=False,
+        help="A folder of lm-eval task YAMLs (lm-eval's --include_path format); its tasks join the names --tasks accepts.",
+    ),
+]
+DatasetsOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--datasets",
+        envvar="QSERVE_DATASETS_DIR",
+        file_okay=False,
+        help="Local copies of hub datasets as DIR/ORG/NAME, as `hf download --repo-type dataset ORG/NAME --local-dir "
+        "DIR/ORG/NAME` writes them: an lm-eval task whose dataset has a copy there reads it from there.",
+    ),
+]
+
 
 @user_errors
 def eval_(
@@ -35,6 +54,8 @@ def eval_(
     limit: LimitOpt = None,
     gate: GateOpt = None,
     data_dir: DataDirOpt = None,
+    include_path: IncludePathOpt = None,
+    datasets: DatasetsOpt = None,
     refresh_baseline: Annotated[
         bool, typer.Option("--refresh-baseline", help="Re-run the baseline even if its scores are cached.")
     ] = False,
@@ -69,6 +90,8 @@ def eval_(
     \b
     Examples:
       qserve eval out-w8a8-int8 --tasks gsm8k_ppl --limit 100
+      qserve eval out-w8a8-int8 --tasks gsm8k,arc_challenge --datasets ~/hf-datasets
+      qserve eval out-w8a8-int8 --tasks my_task --include-path my_tasks/
       qserve eval out-w8a8-int8 --tasks gsm8k_ppl,gsm8k_mc --gate gsm8k_ppl:max_increase=0.03 --json
       qserve eval out-llama-70b-w4a16 --tasks gsm8k -tp 8
       qserve eval out-llama-70b-w4a16 --tasks gsm8k -tp 8 -pp 2 --distributed-executor-backend ray
@@ -83,6 +106,8 @@ def eval_(
         limit=limit,
         gates=parse_cli_gates(gate or []),
         data_dir=data_dir,
+        include_path=include_path,
+        datasets=datasets,
         refresh_baseline=refresh_baseline,
         check_parity=parity,
         kv_cache_dtype=kv_cache_dtype,

@@ -71,17 +71,17 @@ def run(
     from qserve.gate.decisions import parse_cli_gates
     from qserve.serve.plan import Endpoint, check_before_work
     from qserve.serve.server import ensure_port_free, serve, warm_server
-    from qserve.workflows.run import check_servable_here, checkpoint_for, gate_for
+    from qserve.workflows.run import check_run_before_work, checkpoint_for, gate_for
 
     gates = parse_cli_gates(gate or [])
     check_before_work(list(ctx.args))  # the serve step's options and environment, before any work
     ensure_port_free(host, port)  # and its port: checked again when the server starts
-    check_servable_here(recipe)  # and the scheme
+    options = EvalOptions(tasks=split(tasks), limit=limit, gates=gates, data_dir=data_dir, check_parity=parity)
+    loaded = check_run_before_work(recipe, options)  # and the recipe, its scheme, the eval's tasks, gates, data
     key_args = api_key(key, key_file)
     opened = checkpoint_for(  # opened once: its files are hashed once for eval and serve
-        recipe, model=model, output=output, data_dir=data_dir, trust_remote_code=trust_remote_code, verbose=verbose
+        recipe, model, output, data_dir, trust_remote_code, verbose, loaded
     )
-    options = EvalOptions(tasks=split(tasks), limit=limit, gates=gates, data_dir=data_dir, check_parity=parity)
     endpoint = Endpoint(host, port, **key_args)
     # The server's interpreter imports vLLM on what the gate leaves idle; it is told what to serve
     # only after the gate passed and serve's checks, and ends with this block otherwise.

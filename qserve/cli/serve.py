@@ -66,10 +66,11 @@ def serve(
 
     {PASS_THROUGH}
     """
-    from qserve.serve.plan import Endpoint
+    from qserve.serve.plan import Endpoint, check_before_work
     from qserve.serve.server import Checks
     from qserve.serve.server import serve as run
 
+    check_before_work(list(ctx.args))  # vLLM's options and environment, before the checkpoint is copied
     vllm_logs_to_stderr()  # stdout: the endpoint and curl lines only
     endpoint = Endpoint(host, port, **api_key(key, key_file))
     checks = Checks(skip_gate, verify_key, policy, accept_gate_difference)

@@ -33,9 +33,10 @@ def compare(
       qserve compare recipes/w8a8-int8.yaml recipes/w4a16-gptq.yaml --tasks gsm8k_ppl --limit 50
     """
     from qserve.runtime.process import bounded_in_process_stop
+    from qserve.workflows.compare import check_before_work, format_compare
     from qserve.workflows.compare import compare as run
-    from qserve.workflows.compare import format_compare
 
+    check_before_work(recipes, split(tasks), data_dir)
     with library_output(out_dir / "logs" / "compare.log", verbose), bounded_in_process_stop():
         result = run(recipes, model=model, tasks=split(tasks), limit=limit, data_dir=data_dir, out_dir=out_dir)
     typer.echo(json.dumps(result, indent=2) if as_json else format_compare(result))

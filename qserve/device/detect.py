@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
+
+from qserve.errors import QserveError
 
 
 @dataclass(frozen=True)
@@ -61,10 +64,29 @@ def cpu_flags() -> frozenset[str]:
 NATIVE_BFLOAT16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
+# Forces the answer of native_bfloat16 for this CPU ("0" or "1"): to measure or test, on a host with a
+# bfloat16 kernel, what qserve does on one without (docs/devices.md).
+NATIVE_BFLOAT16_ENV = "QSERVE_NATIVE_BFLOAT16"
+
+
 def native_bfloat16(flags: frozenset[str] | None = None) -> bool:
-    """Whether this CPU (or one with `flags`) has a bfloat16 matmul kernel (NATIVE_BFLOAT16_FLAGS)."""
+    """Whether this CPU (or one with `flags`) has a bfloat16 matmul kernel (NATIVE_BFLOAT16_FLAGS);
+    for this CPU, QSERVE_NATIVE_BFLOAT16=0/1 overrides what its flags say."""
+    if flags is None:
+        forced = os.environ.get(NATIVE_BFLOAT16_ENV, "")
+        if forced not in ("", "0", "1"):
+            raise QserveError(f"{NATIVE_BFLOAT16_ENV} must be 0 or 1, not {forced!r}")
+        if forced:
+            return forced == "1"
     flags = cpu_flags() if flags is None else flags
     return any(f in flags for f in NATIVE_BFLOAT16_FLAGS)
+
+
+def baseline_dtype(device: Device) -> str:
+    """The dtype the baseline runs in: vLLM's default ("auto") on every device but a CPU without a
+    bfloat16 kernel, where float32 (it holds every bfloat16 and float16 weight exactly, and vLLM's
+    bfloat16 there is a slow path)."""
+    return "float32" if device.kind == "cpu" and not native_bfloat16() else "auto"
 
 
 def cpu_compute_dtype(dtype: str, flags: frozenset[str] | None = None) -> str:

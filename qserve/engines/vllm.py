@@ -14,7 +14,7 @@ from typing import Any
 
 from qserve.checkpoint.manifest import VllmArgs
 from qserve.compat import patched
-from qserve.device.detect import Device
+from qserve.device.detect import Device, baseline_dtype
 from qserve.progress import info, step
 from qserve.runtime.heap import collection_paused, frozen_heap
 
@@ -22,12 +22,11 @@ CPU_KV_CACHE_BYTES = 1 << 30
 MAX_MODEL_LEN = 2048
 
 
-def baseline_args(trust_remote_code: bool = False) -> VllmArgs:
-    """The baseline is the source model as vLLM serves it by default, on every device: dtype auto, the
-    checkpoint's own dtype with float32 downcast to bfloat16 (vLLM's rule). That is the unquantized model
-    a user would ship instead; the gate then charges the checkpoint with what quantization changes, not
-    with bfloat16 arithmetic, which both sides share."""
-    return VllmArgs(quantization=None, kv_cache_dtype="auto", dtype="auto", trust_remote_code=trust_remote_code)
+def baseline_args(device: Device, trust_remote_code: bool = False) -> VllmArgs:
+    """The baseline is the source model as vLLM serves it by default (dtype auto: the checkpoint's own
+    dtype, float32 downcast to bfloat16), except on a CPU without a bfloat16 kernel, where it runs in
+    float32 (detect.baseline_dtype). That is the unquantized model a user would ship instead."""
+    return VllmArgs(quantization=None, kv_cache_dtype="auto", dtype=baseline_dtype(device), trust_remote_code=trust_remote_code)
 
 
 def engine_kwargs(model_path: Path, args: VllmArgs, device: Device) -> dict[str, Any]:

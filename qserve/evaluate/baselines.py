@@ -74,6 +74,11 @@ def with_data_hashes(config: dict) -> dict:
     files = (cfg.get("dataset_kwargs") or {}).get("data_files")
     if isinstance(files, dict):
         cfg["dataset_kwargs"] = {**cfg["dataset_kwargs"], "data_files": {s: sha256_file(Path(p)) for s, p in files.items()}}
+    folder = cfg.get("dataset_path")
+    if isinstance(folder, str) and Path(folder).is_absolute() and Path(folder).is_dir():
+        from qserve.evaluate.tasks import copy_files
+
+        cfg["dataset_path"] = {"local_copy": copy_files(Path(folder))}  # a hub dataset's local copy, by content
     return cfg
 
 

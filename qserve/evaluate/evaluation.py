@@ -20,13 +20,13 @@ from qserve.engines import vllm as engine
 from qserve.errors import QserveError
 from qserve.evaluate import baselines, fallback, parity, reports
 from qserve.evaluate.lm_eval_run import EngineRun, Subject, Window, run_lm_eval
-from qserve.evaluate.tasks import TaskDef, get_tasks, lm_eval_config
-from qserve.gate import looks, stats
-from qserve.gate.decisions import Gate, Status, decide, verdict
-from qserve.gate.policy import DEFAULT_MIN_RECOVERY, GateSpec, normalize
+from qserve.evaluate.tasks import Task, dataset_copies, datasets_dir, get_tasks, lm_eval_config
+from qserve.gate import looks
+from qserve.gate.core import decide_gates
+from qserve.gate.decisions import Gate, Status, verdict
+from qserve.gate.policy import DEFAULT_MIN_RECOVERY, GateSpec, check_allowance, normalize
 from qserve.gate.records import read_eval, resolve_checkpoint
 from qserve.gate.schema import EvalRecord
-from qserve.gate.stats import ItemValues
 from qserve.models.sources import ModelRef, baseline_model
 from qserve.progress import info, step
 from qserve.schemes.catalog import SCHEMES
@@ -42,7 +42,9 @@ class EvalOptions:
     (tensor_parallel_size, pipeline_parallel_size, data_parallel_size (through Ray, as lm-eval runs
     it), distributed_executor_backend). `offset`: evaluate items offset .. offset + limit (held-out
     items, as `qserve tune` confirms on). `purpose` "gate" counts as a look at these weights
-    (looks.py); "tune search" does not, and serve refuses it.
+    (looks.py); "tune search" does not, and serve refuses it. `include_path`: a folder of lm-eval task
+    YAMLs (lm-eval's --include_path); `datasets`: local copies of hub datasets as DIR/<org>/<name>
+    (default $QSERVE_DATASETS_DIR).
     """
 
     tasks: list[str] | None = None
@@ -57,6 +59,8 @@ class EvalOptions:
     parallel: dict[str, Any] | None = None
     offset: int = 0
     purpose: str = "gate"
+    include_path: Path | None = None
+    datasets: str | Path | None = None
 
 
 @dataclass
@@ -65,12 +69,13 @@ class _Plan:
 
     ckpt: Path
     manifest: Manifest
-    tasks: list[TaskDef]
+    tasks: list[Task]
     specs: dict[str, list[GateSpec]]
     configs: dict[str, dict]
     device: detect.Device
     runnable: support.Support
     source: tuple[Path, str] | None = None  # Checkpoint.source: read already in this command
+    datasets: dict[str, dict] | None = None  # task -> the local dataset copy it read (tasks.dataset_copies)
 
     @property
     def emulated(self) -> bool:
@@ -104,9 +109,9 @@ def evaluate(checkpoint: str | Path | Checkpoint | None = None, options: EvalOpt
     quant, parity_result, extra = _quantized_run(plan, window, options)
     base = _baseline_run(plan, base_side, window)
     for task in plan.tasks:
-        baselines.check_sane(plan.manifest.source_model["id"], task.name, task.metric, _score(base, task.name, task.metric)[0])
+        baselines.check_sane(plan.manifest.source_model["id"], task.name, task.metric, base.score(task.name, task.metric)[0])
     look = _look(plan, options)
-    decided = [_decide(t, spec, base, quant, look["level"]) for t in plan.tasks for spec in plan.specs[t.name]]
+    decided = decide_gates(plan.specs, {t.name: t.metric for t in plan.tasks}, base, quant, look["level"])
     final = verdict(decided)
     if "fail" in (parity_result["status"], extra["kv_cache"]["status"]):
         final = Status.FAIL
@@ -201,6 +206,7 @@ def _request(plan: _Plan, options: EvalOptions) -> dict[str, Any]:
             "parity": options.check_parity,
             "device": detect.fingerprint(plan.device),
             "scoring": _scoring(plan),  # by name and source hash: another way of scoring is another measurement
+            **({"datasets": plan.datasets} if plan.datasets else {}),  # which local copies, by path and file hashes
         }
     )
 
@@ -213,16 +219,8 @@ def _plan(checkpoint: str | Path | Checkpoint | None, options: EvalOptions) -> _
     if options.verify_key is not None:
         signing.verify(ckpt, options.verify_key)
     flags.check_user_args(ckpt, manifest, {"--kv-cache-dtype": options.kv_cache_dtype})
-    gates = options.gates
     recipe_gates = {t: normalize(v) for t, v in (manifest.recipe.get("gates") or {}).items()}
-    task_defs = get_tasks(options.tasks or list(recipe_gates) or ["gsm8k"])
-    _check_gated_tasks(gates or {}, [t.name for t in task_defs])
-    specs = {
-        t.name: (gates or {}).get(t.name) or recipe_gates.get(t.name) or [GateSpec(min_recovery=DEFAULT_MIN_RECOVERY)]
-        for t in task_defs
-    }
-    root = paths.data_dir(options.data_dir)
-    configs = {t.name: lm_eval_config(t, root) for t in task_defs}
+    task_defs, specs, configs = plan_tasks(recipe_gates, options)
     device = detect.detect_device().with_parallel(options.parallel)
     support.check_dtype(manifest, device.kind, device.detail)
     runnable = support.vllm_support(manifest, device.kind)
@@ -230,7 +228,27 @@ def _plan(checkpoint: str | Path | Checkpoint | None, options: EvalOptions) -> _
         info(
             f"vLLM cannot run {manifest.scheme} here ({runnable.evidence}): evaluating through transformers; results are EMULATED"
         )
-    return _Plan(ckpt, manifest, task_defs, specs, configs, device, runnable, opened.source)
+    copies = dataset_copies(task_defs, configs)
+    return _Plan(ckpt, manifest, task_defs, specs, configs, device, runnable, opened.source, copies)
+
+
+def plan_tasks(
+    recipe_gates: dict[str, list[GateSpec]], options: EvalOptions
+) -> tuple[list[Task], dict[str, list[GateSpec]], dict[str, dict[str, Any]]]:
+    """The tasks an eval runs, each one's gates and lm-eval config: every check that needs no model
+    (task names, --gate against the tasks, allowances the metric can exceed, data files), so that
+    `qserve run` makes them before it quantizes."""
+    gates = options.gates or {}
+    datasets = datasets_dir(options.datasets)
+    task_defs = get_tasks(options.tasks or list(recipe_gates) or ["gsm8k"], options.include_path, datasets)
+    _check_gated_tasks(gates, [t.name for t in task_defs])
+    default = [GateSpec(min_recovery=DEFAULT_MIN_RECOVERY)]
+    specs = {t.name: gates.get(t.name) or recipe_gates.get(t.name) or default for t in task_defs}
+    for t in task_defs:
+        for spec in specs[t.name]:
+            check_allowance(t.name, spec, spec.metric or t.metric)
+    root = paths.data_dir(options.data_dir)
+    return task_defs, specs, {t.name: lm_eval_config(t, root, datasets) for t in task_defs}
 
 
 def _check_gated_tasks(gates: dict[str, list[GateSpec]], evaluated: list[str]) -> None:
@@ -247,7 +265,7 @@ def _baseline_side(plan: _Plan, window: Window, refresh: bool) -> _Baseline:
     """The baseline's model, engine arguments and cache keys; cached scores unless `refresh`."""
     model = baseline_model(plan.manifest)
     trc = plan.manifest.vllm_args.trust_remote_code
-    args = engine.baseline_args(trc)
+    args = engine.baseline_args(plan.device, trc)
     if plan.source and plan.source[0].resolve() == model.path.resolve():
         sha = plan.source[1]  # this command read the model already (quantize or the reuse check)
     else:
@@ -373,29 +391,3 @@ def _baseline_run(plan: _Plan, side: _Baseline, window: Window) -> EngineRun:
 
 def _task_slice(raw: dict, task: str) -> dict:
     return {section: values[task] for section, values in raw.items() if isinstance(values, dict) and task in values}
-
-
-def _decide(task: TaskDef, spec: GateSpec, base: EngineRun, quant: EngineRun, alpha: float) -> Gate:
-    metric = spec.metric or task.metric
-    hib = _higher_is_better(quant.raw, task.name, metric)
-    cmp = stats.compare(metric, hib, _score(base, task.name, metric), _score(quant, task.name, metric), alpha)
-    return decide(task.name, spec, cmp, headline=metric == task.metric)
-
-
-def _higher_is_better(raw: dict, task: str, metric: str) -> bool:
-    """Which way the metric is better, from lm-eval's own task config (its results' higher_is_better)."""
-    value = (raw.get("higher_is_better") or {}).get(task, {}).get(metric.partition(",")[0])
-    if not isinstance(value, bool):
-        raise QserveError(
-            f"lm-eval does not say whether higher {metric} is better for {task}; set higher_is_better in its metric_list"
-        )
-    return value
-
-
-def _score(run: EngineRun, task: str, metric: str) -> tuple[float, float | None, ItemValues | None]:
-    res = run.raw["results"].get(task, {})
-    if metric not in res:
-        raise QserveError(f"lm-eval returned no {metric!r} for {task}; it reported {', '.join(k for k in res if k != 'alias')}")
-    name, _, filt = metric.partition(",")
-    stderr = res.get(f"{name}_stderr,{filt}")
-    return float(res[metric]), float(stderr) if isinstance(stderr, (int, float)) else None, run.items.get(task, {}).get(metric)

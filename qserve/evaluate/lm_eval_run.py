@@ -12,9 +12,10 @@ from typing import Any
 from qserve.checkpoint.manifest import VllmArgs
 from qserve.device import detect
 from qserve.engines import vllm as engine
+from qserve.errors import QserveError
 from qserve.evaluate import fallback
 from qserve.evaluate.tasks import config_task_manager
-from qserve.gate import stats
+from qserve.gate import core, stats
 from qserve.gate.stats import ItemValues
 from qserve.progress import step
 
@@ -27,6 +28,26 @@ class EngineRun:
     items: dict[str, dict[str, ItemValues]] = field(default_factory=dict)  # task -> metric -> items
     seconds: float = 0.0
     extra: Any = None
+
+    def higher_is_better(self, task: str, metric: str) -> bool:
+        return core.higher_is_better(self.raw, task, metric, "lm-eval's results")
+
+    def check_items_add_up(self, task: str, metric: str, scored: tuple[float, float | None, ItemValues | None]) -> None:
+        """Nothing to check: this run's items and scores come from the same lm-eval call (gate.core.Scores)."""
+
+    def score(self, task: str, metric: str) -> tuple[float, float | None, ItemValues | None]:
+        """The score lm-eval states, its stderr if it gave one, and the per-item values (gate.core.Scores)."""
+        res = self.raw["results"].get(task, {})
+        if metric not in res:
+            reported = ", ".join(k for k in res if k != "alias")
+            raise QserveError(f"lm-eval returned no {metric!r} for {task}; it reported {reported}")
+        name, _, filt = metric.partition(",")
+        stderr = res.get(f"{name}_stderr,{filt}")
+        return (
+            float(res[metric]),
+            float(stderr) if isinstance(stderr, (int, float)) else None,
+            self.items.get(task, {}).get(metric),
+        )
 
 
 @dataclass(frozen=True)
@@ -90,7 +111,7 @@ def run_lm_eval(
                 **window.lm_eval(names),
             )
         extra = during(lm) if during else None
-    keep = ("results", "n-samples", "configs", "versions", "higher_is_better")
+    keep = ("results", "n-samples", "n-shot", "configs", "versions", "higher_is_better")
     raw = _jsonable({k: out[k] for k in keep if k in out})
     items = {n: _items(out.get("samples", {}).get(n, []), raw["results"].get(n, {})) for n in names}
     return EngineRun(raw, items, timing["seconds"], extra)

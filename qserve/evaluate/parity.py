@@ -34,15 +34,12 @@ class Tolerance:
     why: str
 
 
-# Measured on SmolLM2-135M, 8 prompts x 32 tokens (README, "Engine parity"). transformers
-# reproduces weight-only checkpoints exactly (0.007 nats mean), but its compressed-tensors
-# emulation of INT8/FP8 activation quantization differs from vLLM's kernels (0.19-0.25 nats),
-# so those schemes get a looser bound. A RoPE mismatch measured 0.37 nats; an unrequested
-# fp8 KV cache 0.23 nats (caught for weight-only schemes).
+# transformers reproduces weight-only checkpoints exactly, but its compressed-tensors emulation of
+# INT8/FP8 activation quantization differs from vLLM's kernels, so those schemes get a looser bound
+# (the support matrix, support/claims.py, holds each scheme's measured KL).
 TOLERANCES = {
     "exact": Tolerance(0.05, 0.90, "transformers reproduces the dequantized weights exactly"),
     "activation": Tolerance(0.35, 0.80, "transformers' INT8/FP8 activation emulation is not bit-exact with vLLM's kernels"),
-    # Measured: W4A16 + calibrated FP8 KV cache, 0.31 nats / 87% (the same checkpoint without it: 0.007).
     "kv_cache": Tolerance(0.35, 0.80, "vLLM stores k/v in FP8; transformers keeps them in full precision"),
 }
 

@@ -1,15 +1,21 @@
-"""The eval task registry: evals/*.yaml, each an lm-eval task plus where its local data lives."""
+"""Eval tasks: qserve's own evals/*.yaml (each an lm-eval task plus where its local data lives, the
+offline demo's), and every task lm-eval's TaskManager resolves (registered, or in an --include-path
+folder), whose hub datasets are read from local copies (--datasets) when the hub is out of reach."""
 
 from __future__ import annotations
 
+import difflib
 import functools
-import re
+import json
+import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from qserve import paths
 from qserve.errors import QserveError
 from qserve.paths import project_data
 
@@ -21,6 +27,20 @@ class TaskDef(BaseModel):
     config: dict[str, Any] = {}  # lm-eval task config keys (override the base task's)
     data_files: dict[str, str]  # split -> file, relative to the data dir
     metric: str  # "<metric>,<filter>" key in lm-eval's results; which way is better: lm-eval's own higher_is_better
+
+
+@dataclass(frozen=True)
+class LmEvalTask:
+    """A task lm-eval's TaskManager resolves, with its complete config from its YAML (functions resolved)
+    and its headline metric as lm-eval reports it."""
+
+    name: str
+    config: dict[str, Any]
+    metric: str
+    yaml_path: Path
+
+
+Task = TaskDef | LmEvalTask
 
 
 def registry(evals_dir: Path | None = None) -> dict[str, TaskDef]:
@@ -35,16 +55,147 @@ def registry(evals_dir: Path | None = None) -> dict[str, TaskDef]:
     return out
 
 
-def get_tasks(names: list[str]) -> list[TaskDef]:
-    known = registry()
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise QserveError(f"unknown task {', '.join(unknown)}; available: {', '.join(known)}")
-    return [known[n] for n in names]
+def get_tasks(names: list[str], include_path: Path | None = None, datasets: Path | None = None) -> list[Task]:
+    """The tasks named, in order: qserve's own eval of that name first, else what lm-eval resolves (a tag
+    gives its tasks). An own eval built on a registered task yields to it when `datasets` holds a copy
+    of its hub dataset: the user brought lm-eval's data, so lm-eval's task reads it."""
+    own = registry()
+    builds_on = datasets is not None and any(own[n].lm_eval_task for n in names if n in own)
+    index = TaskIndex(include_path) if builds_on or any(n not in own for n in names) else None
+    out: dict[str, Task] = {}
+    unknown = []
+    for name in names:
+        if name in own and not _yields(own[name], index, datasets):
+            out.setdefault(name, own[name])
+        elif index is not None and name in index.entries:
+            out.update((t.name, t) for t in index.resolve(name) if t.name not in out)
+        else:
+            unknown.append(name)
+    if unknown:  # then the index was built: an unknown name is not qserve's
+        known = sorted(set(index.entries) | set(own))
+        raise QserveError("; ".join(_unknown(n, known) for n in unknown))
+    return list(out.values())
 
 
-def lm_eval_config(task: TaskDef, data_dir: Path) -> dict[str, Any]:
-    """A complete lm-eval task config dict that reads the task's data from local files."""
+def _yields(task: TaskDef, index: TaskIndex | None, datasets: Path | None) -> bool:
+    if index is None or datasets is None or task.lm_eval_task not in index.entries:
+        return False
+    repo = index.resolve(task.lm_eval_task)[0].config.get("dataset_path")
+    return isinstance(repo, str) and (datasets / repo).is_dir()
+
+
+def _unknown(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=5)
+    return f"unknown task {name}" + (f" (closest names lm-eval and qserve know: {', '.join(close)})" if close else "")
+
+
+class TaskIndex:
+    """lm-eval's TaskManager index by name (kind, YAML file, a tag's tasks, a group's members): its own
+    tasks from a cache file per lm-eval install, since building it parses every YAML it ships (seconds
+    on each eval otherwise); an --include-path folder's tasks fresh, over them, as lm-eval orders them."""
+
+    def __init__(self, include_path: Path | None = None) -> None:
+        self.entries = dict(_default_entries())
+        if include_path is not None:
+            if not Path(include_path).is_dir():
+                raise QserveError(f"--include-path {include_path} is not a directory")
+            from lm_eval.tasks import TaskManager
+
+            self.entries.update(_entries(TaskManager(include_defaults=False, include_path=str(include_path)).task_index))
+
+    def resolve(self, name: str) -> list[LmEvalTask]:
+        entry = self.entries[name]
+        if entry["kind"] == "GROUP":
+            members = ", ".join(entry["members"][:3]) + (", ..." if len(entry["members"]) > 3 else "")
+            raise QserveError(
+                f"{name} is an lm-eval group ({len(entry['members'])} members: {members}); groups are not gated yet: "
+                "name its tasks in --tasks instead"
+            )
+        if entry["kind"] == "TAG":
+            return [t for member in entry["tags"] if member in self.entries for t in self.resolve(member)]
+        if not entry["yaml_path"]:
+            raise QserveError(f"lm-eval task {name} has no YAML config (a Python-only task); qserve runs tasks from YAML")
+        return [_lm_eval_task(name, Path(entry["yaml_path"]))]
+
+
+def _lm_eval_task(name: str, yaml_path: Path) -> LmEvalTask:
+    """The task's full config as lm-eval's TaskFactory builds it from the YAML (includes merged,
+    `!function` hooks resolved, the index's structural keys dropped)."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    try:
+        cfg = dict(load_yaml(yaml_path, resolve_func=True))
+    except (ImportError, OSError, ValueError, yaml.YAMLError) as exc:  # e.g. a hook's optional dependency is missing
+        raise QserveError(f"lm-eval task {name} cannot be loaded from {yaml_path}: {str(exc).splitlines()[0]}") from None
+    for key in ("tag", "group", "task_list"):
+        cfg.pop(key, None)
+    cfg["task"] = name
+    return LmEvalTask(name, cfg, headline_metric(cfg), yaml_path)
+
+
+def headline_metric(cfg: dict[str, Any]) -> str:
+    """The "<metric>,<filter>" key lm-eval reports first: the first metric of metric_list (else lm-eval's
+    default for the output type) with the first filter of filter_list ("none" without one)."""
+    from lm_eval.api.registry import DEFAULT_METRIC_REGISTRY
+
+    metrics = cfg.get("metric_list") or [{"metric": m} for m in DEFAULT_METRIC_REGISTRY[cfg.get("output_type", "generate_until")]]
+    metric = metrics[0]["metric"]
+    name = metric if isinstance(metric, str) else getattr(metric, "__name__", str(metric))
+    filters = cfg.get("filter_list") or []
+    return f"{name},{filters[0]['name'] if filters else 'none'}"
+
+
+@functools.cache
+def _default_entries() -> dict[str, dict[str, Any]]:
+    """lm-eval's own index, read from the cache (written once per lm-eval install, rebuilt if a file it
+    names is gone)."""
+    import lm_eval
+    import lm_eval.tasks
+
+    root = Path(lm_eval.tasks.__file__).parent
+    stamp = f"{getattr(lm_eval, '__version__', '?')}|{root}|{root.stat().st_mtime_ns}"
+    path = paths.cache_dir() / "lm_eval_task_index.json"
+    try:
+        cached = json.loads(path.read_text())
+        if cached["stamp"] == stamp and all(Path(e["yaml_path"]).is_file() for e in cached["entries"].values() if e["yaml_path"]):
+            return cached["entries"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # absent or stale: rebuilt below
+    from lm_eval.tasks import TaskManager
+
+    from qserve.progress import step
+
+    with step("indexing lm-eval's tasks (once per lm-eval install)"):
+        entries = _entries(TaskManager().task_index)
+    paths.write_json(path, {"stamp": stamp, "entries": entries})
+    return entries
+
+
+def _entries(index: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for name, e in index.items():
+        members = (e.cfg or {}).get("task") if e.kind.name == "GROUP" else None
+        out[name] = {
+            "kind": e.kind.name,
+            "yaml_path": str(e.yaml_path) if e.yaml_path else None,
+            "tags": sorted(e.tags) if e.kind.name == "TAG" else [],
+            "members": [m if isinstance(m, str) else str(m.get("task") or m.get("group")) for m in members or []],
+        }
+    return out
+
+
+def datasets_dir(explicit: str | Path | None = None) -> Path | None:
+    """--datasets, else QSERVE_DATASETS_DIR, else none: local copies of hub datasets as DIR/<org>/<name>."""
+    chosen = explicit or os.environ.get("QSERVE_DATASETS_DIR")
+    return Path(chosen).expanduser().resolve() if chosen else None
+
+
+def lm_eval_config(task: Task, data_dir: Path, datasets: Path | None = None) -> dict[str, Any]:
+    """A complete lm-eval task config dict that reads the task's data from local files: an own eval's
+    data files, or a registered task's hub dataset from its copy in `datasets` (else the hub, checked
+    reachable now, before any engine starts)."""
+    if isinstance(task, LmEvalTask):
+        return _registered_config(task, datasets)
     files = {}
     for split, rel in task.data_files.items():
         path = (data_dir / rel).resolve()
@@ -53,52 +204,109 @@ def lm_eval_config(task: TaskDef, data_dir: Path) -> dict[str, Any]:
                 f"task {task.name} needs {path}, which does not exist (set --data-dir / QSERVE_DATA_DIR; now {data_dir})"
             )
         files[split] = str(path)
-    cfg = _base_config(task.lm_eval_task) if task.lm_eval_task else {}
+    cfg = _lm_eval_task(task.lm_eval_task, _yaml_of(task.lm_eval_task)).config if task.lm_eval_task else {}
     cfg.update(task.config)
     cfg.update(task=task.name, dataset_path="json", dataset_name=None, dataset_kwargs={"data_files": files})
     return cfg
 
 
-def _base_config(name: str) -> dict[str, Any]:
-    from lm_eval.tasks._yaml_loader import load_yaml
-
-    path = _declaring_yaml(name)
-    if path is not None:
-        return dict(load_yaml(path, resolve_func=True))
-    entry = _lm_eval_task_index().get(name)
-    if entry is None or entry.yaml_path is None:
+def _yaml_of(name: str) -> Path:
+    entry = TaskIndex().entries.get(name)
+    if entry is None or not entry["yaml_path"] or entry["kind"] != "TASK":
         raise QserveError(f"lm-eval has no task named {name!r}")
-    return dict(load_yaml(entry.yaml_path, resolve_func=True))
+    return Path(entry["yaml_path"])
 
 
-def _declaring_yaml(name: str) -> Path | None:
-    """The one lm-eval task YAML whose own `task:` line is `name`, found by reading the files as text
-    (0.2 s here) rather than parsing all 14k of them into lm-eval's index (4-9 s, once per `qserve
-    eval`); None when that is not exactly one file, and the index decides."""
-    import lm_eval.tasks
-    from lm_eval.tasks._yaml_loader import load_yaml
+def _registered_config(task: LmEvalTask, datasets: Path | None) -> dict[str, Any]:
+    cfg = dict(task.config)
+    repo = cfg.get("dataset_path")
+    if not _on_the_hub(cfg):
+        return cfg
+    copy = datasets / repo if datasets is not None else None
+    if copy is not None and copy.is_dir():
+        cfg["dataset_path"] = str(copy)  # datasets.load_dataset reads a hub repo's layout from a folder
+        return cfg
+    _check_reachable(task.name, repo, cfg.get("dataset_name"), datasets)
+    return cfg
 
-    line = re.compile(rb"^task:[ \t]*['\"]?" + re.escape(name.encode()) + rb"['\"]?[ \t]*$", re.MULTILINE)
-    root = Path(lm_eval.tasks.__file__).parent
-    found = [p for p in sorted(root.rglob("*.yaml")) if line.search(p.read_bytes())]
-    if len(found) != 1 or load_yaml(found[0], resolve_func=False).get("task") != name:
+
+def _on_the_hub(cfg: dict[str, Any]) -> bool:
+    """Whether the task's data is a hub dataset repository (not a packaged builder such as json, a local
+    folder, or a task's own Python loader)."""
+    from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
+
+    repo = cfg.get("dataset_path")
+    if not isinstance(repo, str) or cfg.get("custom_dataset") or repo in _PACKAGED_DATASETS_MODULES:
+        return False
+    return not Path(repo).expanduser().exists()
+
+
+def _check_reachable(task: str, repo: str, name: str | None, datasets: Path | None) -> None:
+    """One error line, before any engine starts, when the dataset is neither copied nor fetchable: lm-eval
+    would otherwise fail deep in a run (or wait on the network)."""
+    reason = _unreachable(repo, name)
+    if reason is None:
+        return
+    has = f"has no copy in --datasets {datasets}" if datasets is not None else "has no local copy (no --datasets DIR)"
+    target = datasets if datasets is not None else "DIR"
+    raise QserveError(
+        f"task {task} reads the hub dataset {repo}, which {has} and cannot be fetched ({reason}); "
+        f"fetch it with: hf download --repo-type dataset {repo} --local-dir {target}/{repo}"
+        + ("" if datasets is not None else " and pass --datasets DIR")
+    )
+
+
+def _unreachable(repo: str, name: str | None) -> str | None:
+    """Why the hub dataset cannot be loaded now, or None: offline, only from the datasets cache; online,
+    the hub must answer for it (a gated one is left to lm-eval and the user's token)."""
+    if any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")):
+        import datasets
+
+        try:
+            datasets.load_dataset_builder(repo, name)
+            return None
+        except Exception:  # noqa: BLE001 (whatever the cache lookup raises, the data is not there)
+            return "offline: HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is set and it is not in the datasets cache"
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    try:
+        HfApi().dataset_info(repo, timeout=10)
+    except GatedRepoError:
         return None
-    return found[0]
+    except RepositoryNotFoundError:
+        return "the hub has no such dataset"
+    except Exception as exc:  # noqa: BLE001 (any network failure: the hub is out of reach)
+        return f"the hub is out of reach: {type(exc).__name__}"
+    return None
 
 
-@functools.cache
-def _lm_eval_task_index() -> dict[str, Any]:
-    """lm-eval's index of its own task YAMLs (every file parsed: 4-9 s here), built once per process."""
-    from lm_eval.tasks import TaskManager
+def copy_files(folder: Path) -> dict[str, str]:
+    """A local dataset copy's files by content (relative path -> sha256), without hidden entries such as
+    the `.cache/` folder `hf download` keeps its own bookkeeping in."""
+    from qserve.checkpoint.hashing import sha256_file
 
-    return TaskManager().task_index
+    files = sorted(
+        p for p in folder.rglob("*") if p.is_file() and not any(s.startswith(".") for s in p.relative_to(folder).parts)
+    )
+    return {p.relative_to(folder).as_posix(): sha256_file(p) for p in files}
+
+
+def dataset_copies(tasks: list[Task], configs: dict[str, dict]) -> dict[str, dict[str, Any]]:
+    """For the record: each registered task that read a local copy, its hub dataset, folder and files."""
+    out = {}
+    for task in tasks:
+        path = configs[task.name].get("dataset_path")
+        if isinstance(task, LmEvalTask) and path != task.config.get("dataset_path"):
+            out[task.name] = {"dataset": task.config.get("dataset_path"), "path": path, "files": copy_files(Path(path))}
+    return out
 
 
 def config_task_manager() -> Any:
     """The task manager simple_evaluate runs qserve's configs with. qserve hands lm-eval complete
     config dicts, so nothing needs lm-eval's index of its built-in tasks; simple_evaluate's default
-    TaskManager() would parse all of them on every call (4.2 s a run here, a fifth of an eval of
-    100 gsm8k_ppl documents). `metadata` is what that default gets when given a model object."""
+    TaskManager() would parse all of them on every call (seconds a run, a large share of a short
+    eval). `metadata` is what that default gets when given a model object."""
     from lm_eval.tasks import TaskManager
 
     return TaskManager(include_defaults=False, metadata={})

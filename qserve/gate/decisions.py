@@ -15,7 +15,7 @@ from enum import StrEnum
 
 from pydantic import ConfigDict, ValidationError
 
-from qserve.errors import QserveError
+from qserve.errors import InvalidSpec, QserveError
 from qserve.gate import paired_binary
 from qserve.gate.policy import CRITERIA, GateSpec, allowed_degradation
 
@@ -153,6 +153,11 @@ def recovery(baseline: float, quantized: float, higher_is_better: bool) -> float
 
 def decide(task: str, spec: GateSpec, cmp: Comparison, headline: bool = False) -> Gate:
     allowed = allowed_degradation(spec, cmp.baseline, cmp.higher_is_better)
+    if cmp.flips is not None and allowed is not None and allowed >= 1:
+        raise InvalidSpec(
+            f"gate on {task}: an allowed drop of {allowed:g} on {cmp.metric}, whose items score 0 or 1, can never fail; "
+            "give a drop below 1 (0.02 is 2 points)"
+        )
     if cmp.flips is not None and allowed is not None and not cmp.constant:
         cmp.bounds = binary_bounds(cmp.flips["lost"], cmp.flips["gained"], cmp.items or 0, allowed, cmp.level)
     status, reason, needed = _status(allowed, cmp)
@@ -183,8 +188,7 @@ def decide(task: str, spec: GateSpec, cmp: Comparison, headline: bool = False) -
 
 def binary_bounds(lost: int, gained: int, n: int, allowed: float, level: float) -> Bounds:
     """0/1 items: the exact score test's bounds, exact at the allowance (paired_binary.py)."""
-    delta = min(allowed, 1 - 1e-9)  # a 0/1 score cannot drop by more than 1: a larger allowance is 1
-    lower, upper = paired_binary.bounds(lost, gained, n, delta, level)
+    lower, upper = paired_binary.bounds(lost, gained, n, allowed, level)
     method = f"exact unconditional score test on discordant items ({lost} lost, {gained} gained of {n})"
     return Bounds(lower, upper, method, n, discordant=(lost, gained), level=level)
 

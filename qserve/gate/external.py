@@ -20,7 +20,8 @@ from typing import Any
 
 from qserve.errors import QserveError
 from qserve.gate import looks, stats
-from qserve.gate.decisions import Gate, decide, verdict
+from qserve.gate.core import decide_gates, higher_is_better
+from qserve.gate.decisions import Gate, verdict
 from qserve.gate.policy import DEFAULT_MIN_RECOVERY, GateSpec
 
 
@@ -41,22 +42,10 @@ def gate_runs(
     history = _history(looks_from) if looks_from else []
     scored = {"tasks": names, "limit": {task: len(base.sample_hashes(task)) for task in names}, "offset": 0}
     look, new = looks.number(history, scored)
-    decided = []
     for task in names:
         _same_question(task, base, quant)
-        for spec in gates.get(task) or [GateSpec(min_recovery=DEFAULT_MIN_RECOVERY)]:
-            metric = spec.metric or base.headline(task)
-            hib = base.higher_is_better(task, metric)
-            b, q = base.score(task, metric), quant.score(task, metric)
-            if set(b[2]) != set(q[2]):
-                raise QserveError(
-                    f"{task}: the runs scored different items ({len(b[2])} in the baseline, {len(q[2])} quantized, "
-                    f"{len(set(b[2]) & set(q[2]))} in common); run both with the same --limit and data"
-                )
-            for run, side in ((base, b), (quant, q)):
-                run.check_items_add_up(task, metric, side)
-            cmp = stats.compare(metric, hib, b, q, looks.level(look))
-            decided.append(decide(task, spec, cmp, headline=metric == base.headline(task)))
+    specs = {task: gates.get(task) or [GateSpec(min_recovery=DEFAULT_MIN_RECOVERY)] for task in names}
+    decided = decide_gates(specs, {task: base.headline(task) for task in names}, base, quant, looks.level(look))
     decided_at, final = datetime.now(UTC).isoformat(timespec="seconds"), verdict(decided)
     entry = scored | {"decided_at": decided_at, "verdict": final, "level": looks.level(look)}
     return {
@@ -170,12 +159,7 @@ class _LmEvalRun:
         return keys[0]
 
     def higher_is_better(self, task: str, metric: str) -> bool:
-        value = (self.raw.get("higher_is_better") or {}).get(task, {}).get(metric.partition(",")[0])
-        if not isinstance(value, bool):
-            raise QserveError(
-                f"{self.path} does not say whether higher {metric} is better for {task} (lm-eval's higher_is_better)"
-            )
-        return value
+        return higher_is_better(self.raw, task, metric, str(self.path))
 
     def score(self, task: str, metric: str) -> tuple[float, float | None, stats.ItemValues]:
         res = self._task(task)

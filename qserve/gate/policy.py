@@ -31,7 +31,7 @@ class GateSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     metric: str | None = Field(None, description="lm-eval '<metric>,<filter>' key; default: the task's headline metric")
-    min_recovery: float | None = Field(None, gt=0, le=2, description="quantized/baseline (baseline/quantized for losses)")
+    min_recovery: float | None = Field(None, gt=0, description="quantized/baseline (baseline/quantized for losses), at most 1")
     max_drop: float | None = Field(None, ge=0, description="largest allowed degradation in the metric's own units")
     max_increase: float | None = Field(None, ge=0, description="lower-is-better metrics: largest relative increase (0.05 = 5%)")
 
@@ -39,6 +39,11 @@ class GateSpec(BaseModel):
     def _has_criterion(self) -> GateSpec:
         if all(getattr(self, c) is None for c in CRITERIA):
             raise InvalidSpec(f"a gate needs at least one of {', '.join(CRITERIA)}")
+        if self.min_recovery is not None and self.min_recovery > 1:
+            # A negative allowance: the gate would ask the quantized model to beat the baseline.
+            raise InvalidSpec(
+                f"min_recovery {self.min_recovery:g} is above 1, which asks the quantized model to beat the baseline; give at most 1"
+            )
         return self
 
     def criteria(self) -> dict[str, float]:
@@ -59,6 +64,24 @@ def normalize(value: object) -> list[GateSpec]:
         else:
             raise InvalidSpec(f"a gate is a number (minimum recovery) or a mapping of {', '.join(CRITERIA)}; got {item!r}")
     return out
+
+
+# lm-eval metrics whose values are proportions (each item 0/1, or a probability): a mean of them can
+# fall by less than 1, so a max_drop of 1 or more makes a gate that cannot fail.
+PROPORTION_METRICS = frozenset(
+    {"acc", "acc_norm", "acc_mutual_info", "exact_match", "mc1", "mc2", "f1", "em"}
+    | {f"{unit}_level_{kind}_acc" for unit in ("prompt", "inst") for kind in ("strict", "loose")}
+)
+
+
+def check_allowance(task: str, spec: GateSpec, metric: str) -> None:
+    """Refuse, before any work, a criterion the metric can never exceed (a gate that cannot fail)."""
+    name = metric.partition(",")[0]
+    if spec.max_drop is not None and spec.max_drop >= 1 and name in PROPORTION_METRICS:
+        raise InvalidSpec(
+            f"gate on {task}: max_drop={spec.max_drop:g} on {name}, a proportion between 0 and 1, can never fail; "
+            "give a drop below 1 (0.02 is 2 points)"
+        )
 
 
 def allowed_degradation(spec: GateSpec, baseline: float, higher_is_better: bool) -> float | None:

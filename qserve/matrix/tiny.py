@@ -41,9 +41,8 @@ class Architecture:
     extra: dict[str, Any] = field(default_factory=dict)  # beyond COMMON
     what: str = ""  # what the architecture adds that quantization must get right
     # Weights' init std. transformers' default (0.02) gives a tiny model next-token distributions
-    # within 0.05 nats of uniform, where top-1 agreement is a coin toss; 0.25 gives entropies of
-    # 4-4.6 nats (measured on every non-Gemma entry). Gemma multiplies embeddings by sqrt(hidden),
-    # so a smaller std does the same (0.08: 7-8 nats, 0.09: 3-4.4).
+    # close to uniform, where top-1 agreement is a coin toss; 0.25 gives peaked ones. Gemma multiplies
+    # embeddings by sqrt(hidden), so a smaller std does the same.
     init: float = 0.25
 
     @property

@@ -75,6 +75,13 @@ def tokenized_dataset(texts: list[str], tokenizer: Any, seq_len: int) -> Any:
     return Dataset.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
 
 
+def check_files(spec: CalibrationSpec, data_dir: Path) -> None:
+    """Refuse, before any work, a calibration file that does not exist or has an unknown format."""
+    for src in spec.sources():
+        if src.generate is None and not src.dataset:
+            resolve_path(src, data_dir)
+
+
 def resolve_path(src: DataSource, data_dir: Path) -> Path:
     path = Path(src.path or "").expanduser()
     path = path if path.is_absolute() else data_dir / path

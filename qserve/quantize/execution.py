@@ -150,7 +150,7 @@ def shard_count(model_path: Path) -> int:
 
 def peak_rss_mib() -> float:
     """This process's own peak resident memory. VmHWM, not ru_maxrss: on Linux a child's ru_maxrss
-    starts at its parent's peak (qserve run from a 3 GiB test process reported 3393 MiB)."""
+    starts at its parent's peak (a qserve run from a large test process reported the parent's)."""
     status = Path("/proc/self/status")
     if status.is_file():
         for line in status.read_text().splitlines():

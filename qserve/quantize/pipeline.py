@@ -98,6 +98,11 @@ def quantize(recipe_path: str | Path, options: QuantizeOptions | None = None) ->
     recipe = with_default_calibration(recipe)
     nnodes = (options.nodes or {}).get("nnodes", 1)
     check_parallel(recipe, options.nproc * nnodes)
+    check_writable(out)
+    if recipe.calibration is not None:
+        from qserve.quantize.calibration import check_files
+
+        check_files(recipe.calibration, paths.data_dir(options.data_dir))
     ref = resolve_model(options.model or recipe.model)
     check_output(out, ref.path)
     # tune and the matrix quantize in a process where vLLM ran before
@@ -151,6 +156,17 @@ def _calibration_texts(
     from qserve.quantize.calibration import load_texts
 
     return load_texts(recipe.calibration, paths.data_dir(data_dir), model_path)
+
+
+def check_writable(out: Path) -> None:
+    """Refuse, before any work, an output whose nearest existing folder is a file or cannot be written
+    (the checkpoint is built beside it, then moved into place)."""
+    existing = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists() or p.is_symlink())
+    if existing != out.absolute() and not existing.is_dir():
+        raise QserveError(f"--output {out}: {existing} is a file, not a directory")
+    folder = existing.parent if existing == out.absolute() else existing
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise QserveError(f"--output {out}: cannot write in {folder}")
 
 
 def check_output(out: Path, source: Path) -> None:

@@ -49,6 +49,8 @@ class DataSource(_Strict):
         if not isinstance(data, dict) or not data.get("source"):
             return data
         defined = calibration_sources()
+        if not isinstance(data["source"], str):
+            raise InvalidSpec(f"source names one calibration source ({', '.join(defined) or 'none'}); got {data['source']!r}")
         if data["source"] not in defined:
             raise InvalidSpec(f"unknown calibration source {data['source']!r}; available: {', '.join(defined) or 'none'}")
         return defined[data["source"]] | data

@@ -43,6 +43,14 @@ def library_output(log_path: Path, verbose: bool = False) -> Iterator[Path]:
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     sys.stdout.flush()
     sys.stderr.flush()
+    # The earlier run's log is set aside and put back if this run writes nothing: a mistake found
+    # before any library spoke (a task name's typo) deletes no log. This run still writes the log's
+    # own path, so a native crash leaves its output where the user looks.
+    if log_path.is_symlink():
+        raise QserveError(f"log file {log_path} is a symbolic link; qserve does not write through links: remove it")
+    earlier = log_path.with_name(f".{log_path.name}.previous")
+    if log_path.is_file():
+        os.replace(log_path, earlier)
     saved_out, saved_err = os.dup(1), os.dup(2)
     terminal = os.fdopen(os.dup(saved_err), "w", buffering=1)
     fd = open_log(log_path)
@@ -50,16 +58,19 @@ def library_output(log_path: Path, verbose: bool = False) -> Iterator[Path]:
     os.dup2(fd, 2)
     os.close(fd)
     done = threading.Event()
-    # Opened here, not in the thread: a run that fails at once removes its empty log (_point_at)
-    # before a thread might have opened it (seen: a FileNotFoundError traceback under the error line).
+    # Opened here, not in the thread: a run that fails at once removes its empty log before a thread
+    # might have opened it.
     reader = os.fdopen(os.open(log_path, os.O_RDONLY | os.O_NOFOLLOW), "rb")
     follower = threading.Thread(target=_follow, args=(reader, done, verbose), daemon=True)
     follower.start()
     previous = progress.use_terminal(terminal)
+    failed = True
     try:
         yield log_path
+        failed = False
     except (QserveError, KeyboardInterrupt, SystemExit, Stopped):
-        _point_at(log_path)
+        if log_path.stat().st_size:
+            progress.info(f"log: {log_path}")
         raise
     except Exception as exc:  # a library's own failure: the traceback goes to the log, one line to the user
         traceback.print_exc()
@@ -75,14 +86,17 @@ def library_output(log_path: Path, verbose: bool = False) -> Iterator[Path]:
         follower.join(timeout=5)
         progress.use_terminal(previous)
         terminal.close()
+        _settle(log_path, earlier, failed)
 
 
-def _point_at(log_path: Path) -> None:
-    """Name the log after a failure if the libraries wrote to it; an empty one is removed."""
-    if log_path.stat().st_size:
-        progress.info(f"log: {log_path}")
+def _settle(log_path: Path, earlier: Path, failed: bool) -> None:
+    """Keep this run's log if it succeeded or holds anything; else the earlier one goes back (or none is left)."""
+    if not failed or log_path.stat().st_size:
+        earlier.unlink(missing_ok=True)
+    elif earlier.is_file():
+        os.replace(earlier, log_path)
     else:
-        log_path.unlink(missing_ok=True)
+        log_path.unlink()
 
 
 def _first_line(exc: BaseException) -> str:

@@ -14,6 +14,7 @@ from qserve.device import detect
 from qserve.engines import flags, passthrough, vllm_cli
 from qserve.engines import vllm as engine
 from qserve.paths import log_file
+from qserve.progress import step
 from qserve.serve.auth import MIDDLEWARE
 from qserve.support import claims as support
 
@@ -49,10 +50,12 @@ OVERRIDABLE = {
 
 
 def check_before_work(tokens: list[str]) -> None:
-    """`qserve run`'s check of its serve step before it quantizes: pass-through options and environment."""
+    """The serve step's checks before any work (`qserve serve` copies, `qserve run` quantizes): pass-through
+    options and environment."""
     passthrough.served_environment(STARTUP_ENVIRONMENT)
     if tokens:
-        flags.check_pass_through(tokens, PLANNED_BY_QSERVE)
+        with step("checking the options after `--` against vLLM's own parser"):  # it imports vLLM
+            flags.check_pass_through(tokens, PLANNED_BY_QSERVE)
 
 
 # The `vllm serve` settings (argparse dests) qserve plans itself; matched against the manifest when planned.

@@ -87,8 +87,8 @@ def serve(
 
 @dataclass
 class WarmServer:
-    """vLLM's API server interpreter, started before the gate is decided so that its imports (8-9 s
-    of one core here) run on what the gate leaves idle (engines/vllm_cli.py, `await_command`). It
+    """vLLM's API server interpreter, started before the gate is decided so that its imports (seconds
+    of one core) run on what the gate leaves idle (engines/vllm_cli.py, `await_command`). It
     learns what to serve only in `running`, after every check `serve` makes, and only for the plan
     it was started for; until then it serves nothing and ends with qserve (its stdin is qserve's)."""
 

@@ -354,7 +354,7 @@ def check_runnable(manifest: Manifest, kind: str, detail: str) -> None:
 def float16_refusal(model_type: str) -> str | None:
     """vLLM's own reason for refusing float16 for a model type (its `_FLOAT16_NOT_SUPPORTED_MODELS`:
     Gemma 2 and 3, GLM-4 in vLLM 0.32), else None. Read from the installed vLLM's source rather than
-    imported: importing vllm.config takes 10-20 s, and quantizing needs no vLLM otherwise."""
+    imported: importing vllm.config costs many seconds, and quantizing needs no vLLM otherwise."""
     return _float16_refusals().get(model_type)
 
 

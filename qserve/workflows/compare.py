@@ -16,7 +16,7 @@ from qserve.device import detect
 from qserve.engines import throughput
 from qserve.engines import vllm as engine
 from qserve.errors import QserveError
-from qserve.evaluate.evaluation import EvalOptions, evaluate
+from qserve.evaluate.evaluation import EvalOptions, evaluate, plan_tasks
 from qserve.gate.schema import EvalRecord
 from qserve.models.sources import baseline_model, resolve_model
 from qserve.progress import info
@@ -36,6 +36,13 @@ def reusable(ckpt: Path, recipe_sha: str, model_id: str) -> bool:
     except QserveError:
         return False
     return manifest.recipe_source.get("sha256") == recipe_sha and manifest.source_model.get("id") == model_id
+
+
+def check_before_work(recipes: list[Path], tasks: list[str] | None, data_dir: str | Path | None) -> None:
+    """Every recipe, and the eval's tasks, gates and data for each, before anything is converted or written."""
+    for recipe_path in recipes:
+        recipe, _ = load_recipe(recipe_path)
+        plan_tasks(recipe.gates, EvalOptions(tasks=tasks, data_dir=data_dir))
 
 
 def compare(
@@ -97,7 +104,7 @@ def _baseline_row(any_ckpt: Path) -> dict[str, Any]:
     manifest = read_manifest(any_ckpt)
     ref = baseline_model(manifest)
     device = detect.detect_device()
-    args = engine.baseline_args(manifest.vllm_args.trust_remote_code)
+    args = engine.baseline_args(device, manifest.vllm_args.trust_remote_code)
     with engine.open_engine(ref.path, args, device, f"the baseline {manifest.source_model['id']} (decode speed)") as lm:
         decode, dtype = throughput.decode_throughput(lm), engine.resolved_dtype(lm)
     facts = inspect_checkpoint(any_ckpt)

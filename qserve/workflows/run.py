@@ -20,14 +20,18 @@ if TYPE_CHECKING:
     from qserve.evaluate.evaluation import EvalOptions
     from qserve.gate.schema import EvalRecord
     from qserve.quantize.pipeline import QuantizeOptions
+    from qserve.quantize.recipe import Recipe
 
 
 def quantize_logged(recipe: Path, options: QuantizeOptions | None = None, verbose: bool = False) -> Path:
     """`qserve quantize`: the libraries' output goes to CKPT/logs/quantize.log (the cache's logs/ on failure)."""
+    from qserve.evaluate.tasks import get_tasks
     from qserve.quantize.pipeline import quantize
+    from qserve.quantize.recipe import load_recipe
 
     log = paths.pending_log("quantize", os.getpid())
     with library_output(log, verbose):
+        get_tasks(list(load_recipe(recipe)[0].gates))  # a gate on a task that does not exist, before any work
         result = quantize(recipe, options)
     paths.keep_log(log, result.output, "quantize")
     return result.output
@@ -51,16 +55,17 @@ def checkpoint_for(
     data_dir: Path | None = None,
     trust_remote_code: bool = False,
     verbose: bool = False,
+    loaded: tuple[Recipe, str] | None = None,
 ) -> Checkpoint:
     """`qserve run`'s first step: the recipe's checkpoint, reused when it is still what this recipe,
     model, data and library versions would make, quantized (replacing a stale one) otherwise; opened
-    once, for the steps after it."""
+    once, for the steps after it. `loaded`: the recipe as check_run_before_work parsed it."""
     from qserve.quantize.pipeline import QuantizeOptions, default_output
     from qserve.quantize.recipe import load_recipe
 
-    parsed, _ = load_recipe(recipe)
-    out = Path(output) if output else default_output(parsed)
-    found = reusable_checkpoint(out, recipe, model, data_dir, trust_remote_code)
+    loaded = loaded or load_recipe(recipe)
+    out = Path(output) if output else default_output(loaded[0])
+    found = reusable_checkpoint(out, recipe, model, data_dir, trust_remote_code, loaded)
     if isinstance(found, Checkpoint):
         info(f"reusing checkpoint {out}: same recipe, model, calibration data and libraries; files intact")
         paths.remember_checkpoint(out)
@@ -81,15 +86,24 @@ def _source(manifest: Manifest) -> tuple[Path, str] | None:
     return (baseline_model(manifest).path, digest) if digest else None
 
 
-def check_servable_here(recipe: Path) -> None:
-    """`qserve run` ends by serving: refuse before any work a recipe whose scheme `qserve serve`
-    would refuse on this device (support/claims.py), rather than after quantizing and evaluating it."""
-    from qserve.device import detect
+def check_run_before_work(recipe: Path, options: EvalOptions) -> tuple[Recipe, str]:
+    """`qserve run` quantizes, then evaluates, then serves: first, before any work, the recipe is parsed
+    (once, for every step after), its scheme checked against what `qserve serve` serves on this device
+    (support/claims.py), and the eval's checks that need no model made (tasks, gates, data)."""
+    from qserve.evaluate.evaluation import plan_tasks
     from qserve.quantize.recipe import load_recipe
+
+    parsed, sha = load_recipe(recipe)
+    _check_servable_here(parsed)
+    plan_tasks(parsed.gates, options)
+    return parsed, sha
+
+
+def _check_servable_here(parsed: Recipe) -> None:
+    from qserve.device import detect
     from qserve.schemes.backends import BACKENDS
     from qserve.support import claims as support
 
-    parsed, _ = load_recipe(recipe)
     if parsed.scheme is None:  # llm-compressor modifiers: the scheme is read from the export
         return
     kv = parsed.kv_cache.dtype if parsed.kv_cache else "auto"
@@ -110,7 +124,12 @@ def why_stale(out: Path, recipe: Path, model: str | None, data_dir: Path | None,
 
 
 def reusable_checkpoint(
-    out: Path, recipe: Path, model: str | None, data_dir: Path | None, trust_remote_code: bool
+    out: Path,
+    recipe: Path,
+    model: str | None,
+    data_dir: Path | None,
+    trust_remote_code: bool,
+    loaded: tuple[Recipe, str] | None = None,
 ) -> Checkpoint | str:
     """The checkpoint at `out`, opened, if it is this recipe's output and intact; else why not."""
     from qserve.checkpoint.hashing import model_digest
@@ -125,7 +144,7 @@ def reusable_checkpoint(
     except QserveError as exc:
         return f"{out} is not intact ({exc})"
     manifest = opened.manifest
-    parsed, sha = load_recipe(recipe)
+    parsed, sha = loaded or load_recipe(recipe)
     parsed = with_default_calibration(parsed)
     ref = resolve_model(model or parsed.model)
     source_digest = model_digest(ref.path)

@@ -1,0 +1,200 @@
+"""Tasks lm-eval knows (registered, or in an --include-path folder) and their hub datasets read from
+local copies in the hub's own layout, offline (no hub at run time)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import DATA_DIR, copy_checkpoint, run_qserve_in_process, small_manifest
+
+from qserve.checkpoint.manifest import LM_EVAL_RESULTS_NAME, hash_files, write_manifest
+from qserve.errors import QserveError
+from qserve.evaluate.tasks import LmEvalTask, get_tasks, lm_eval_config
+
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+# Two tasks in lm-eval's YAML format over one local file: a generation task with a filter, and a
+# multiple choice one without metric_list (lm-eval's defaults for multiple_choice: acc, then acc_norm).
+DOCS = [
+    {"question": "Is the sky blue? One plus one?", "answer": "2"},
+    {"question": "Is fire cold? One plus two?", "answer": "3"},
+    {"question": "Is the sky up? Two plus zero?", "answer": "2"},
+]
+COMMON = {"dataset_path": "json", "test_split": "test", "doc_to_text": "{{question}}"}
+FOLDER_TASKS = {
+    "tiny_gen": {
+        "output_type": "generate_until",
+        "doc_to_target": "{{answer}}",
+        "generation_kwargs": {"until": ["\n"]},
+        "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
+        "filter_list": [
+            {"name": "first-number", "filter": [{"function": "regex", "regex_pattern": "(\\d+)"}, {"function": "take_first"}]}
+        ],
+    },
+    "tiny_mc": {"output_type": "multiple_choice", "doc_to_choice": ["yes", "no"], "doc_to_target": 0},
+}
+
+
+def _task_folder(tmp_path: Path) -> Path:
+    folder = tmp_path / "my_tasks"
+    folder.mkdir()
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
+    for name, cfg in FOLDER_TASKS.items():
+        full = {"task": name, **COMMON, "dataset_kwargs": {"data_files": {"test": str(data)}}, **cfg}
+        (folder / f"{name}.yaml").write_text(yaml.safe_dump(full))
+    return folder
+
+
+def _checkpoint(root: Path) -> Path:
+    """A checkpoint whose files verify (no model in it): enough for what eval checks before an engine starts."""
+    ckpt = root / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors").write_bytes(b"weights")
+    write_manifest(ckpt, small_manifest(recipe={"name": "w8a8-int8"}, source_model={"id": "m"}, files=hash_files(ckpt)))
+    return ckpt
+
+
+def test_a_registered_task_resolves_to_lm_evals_own_config() -> None:
+    (task,) = get_tasks(["gsm8k_cot_llama"])
+    assert isinstance(task, LmEvalTask) and task.name == "gsm8k_cot_llama"
+    assert task.config["dataset_path"] == "openai/gsm8k"
+    # the headline: the first metric of its metric_list with the first filter of its filter_list
+    assert task.metric == "exact_match,strict-match"
+    (arc,) = get_tasks(["arc_challenge"])
+    assert arc.metric == "acc,none" and arc.config["output_type"] == "multiple_choice"
+
+
+def test_qserve_own_eval_of_the_same_name_wins() -> None:
+    (gsm8k,) = get_tasks(["gsm8k"])
+    assert not isinstance(gsm8k, LmEvalTask) and gsm8k.data_files == {"train": "gsm8k/train.jsonl", "test": "gsm8k/test.jsonl"}
+
+
+def test_an_include_path_folder_adds_its_two_tasks(tmp_path: Path) -> None:
+    tasks = get_tasks(["tiny_gen", "tiny_mc", "gsm8k_ppl"], include_path=_task_folder(tmp_path))
+    assert [t.name for t in tasks] == ["tiny_gen", "tiny_mc", "gsm8k_ppl"]
+    assert [t.metric for t in tasks[:2]] == ["exact_match,first-number", "acc,none"]
+    with pytest.raises(QserveError, match="^unknown task tiny_gen "):
+        get_tasks(["tiny_gen"])  # only with the folder
+
+
+def test_per_item_values_of_a_generation_and_a_multiple_choice_task(tmp_path: Path) -> None:
+    """The paired test's per-item values, as qserve collects them from lm-eval's samples, for the headline
+    metric of a generate_until task (through its filter) and of a multiple_choice one."""
+    import lm_eval
+    from lm_eval.api.model import LM
+
+    from qserve.evaluate.lm_eval_run import _items
+    from qserve.evaluate.tasks import config_task_manager
+
+    class Scripted(LM):
+        """Answers 2 to every question; prefers "yes" when the question is about the sky."""
+
+        def generate_until(self, requests, disable_tqdm: bool = False):
+            return ["It is 2, surely." for _ in requests]
+
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            return [(-1.0 if (c.strip() == "yes") == ("sky" in q) else -2.0, False) for q, c in (r.args for r in requests)]
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+            raise NotImplementedError
+
+    tasks = get_tasks(["tiny_gen", "tiny_mc"], include_path=_task_folder(tmp_path))
+    configs = [lm_eval_config(t, DATA_DIR) for t in tasks]
+    out = lm_eval.simple_evaluate(model=Scripted(), tasks=configs, task_manager=config_task_manager(), log_samples=True)
+    gen, mc = (_items(out["samples"][t.name], out["results"][t.name])[t.metric] for t in tasks)
+    assert gen == {"0": 1.0, "1": 0.0, "2": 1.0}  # answers 2, 3, 2 against "2"
+    assert mc == {"0": 1.0, "1": 0.0, "2": 1.0}  # every target is "yes"; only the sky questions get it
+
+
+def test_an_unknown_task_is_one_line_with_the_closest_names(tmp_path: Path) -> None:
+    proc = run_qserve_in_process("eval", _checkpoint(tmp_path), "--tasks", "arc_chalenge")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: unknown task arc_chalenge (closest names lm-eval and qserve know: "
+        "arc_challenge, arc_eu_challenge, arc_challenge_mt, arc_ca_challenge, arc_challenge_chat)"
+    )
+
+
+def test_a_group_is_refused_for_now() -> None:
+    with pytest.raises(QserveError, match="^mmlu is an lm-eval group .*groups are not gated yet"):
+        get_tasks(["mmlu"])
+
+
+def test_offline_without_a_copy_is_one_error_line_naming_the_dataset(tmp_path: Path) -> None:
+    """Offline, a registered task whose hub dataset has no local copy ends before any engine starts."""
+    datasets = tmp_path / "datasets"
+    datasets.mkdir()
+    proc = run_qserve_in_process(
+        "eval", _checkpoint(tmp_path), "--tasks", "arc_challenge", "--datasets", datasets, "--limit", "2", env=OFFLINE
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: task arc_challenge reads the hub dataset allenai/ai2_arc, which has no copy in --datasets {datasets} "
+        "and cannot be fetched (offline: HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is set and it is not in the datasets "
+        f"cache); fetch it with: hf download --repo-type dataset allenai/ai2_arc --local-dir {datasets}/allenai/ai2_arc"
+    )
+    assert "Traceback" not in proc.stderr and "loading" not in proc.stderr.lower()
+
+
+def hub_copy_of_gsm8k(root: Path) -> Path:
+    """openai/gsm8k as `hf download --repo-type dataset openai/gsm8k --local-dir ROOT/openai/gsm8k` lays it
+    out (config `main`): parquet files under main/ and a README whose `configs:` names each split's files."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    repo = root / "openai" / "gsm8k"
+    (repo / "main").mkdir(parents=True)
+    for split in ("train", "test"):
+        rows = [json.loads(line) for line in (DATA_DIR / "gsm8k" / f"{split}.jsonl").read_text().splitlines()]
+        pq.write_table(pa.Table.from_pylist(rows), repo / "main" / f"{split}-00000-of-00001.parquet")
+    (repo / "README.md").write_text(
+        "---\nconfigs:\n- config_name: main\n  data_files:\n  - split: train\n    path: main/train-*\n"
+        "  - split: test\n    path: main/test-*\n---\n# GSM8K (local copy)\n"
+    )
+    return repo
+
+
+def test_a_registered_task_reads_its_local_copy(tmp_path: Path) -> None:
+    from lm_eval.api.task import ConfigurableTask
+
+    repo = hub_copy_of_gsm8k(tmp_path)
+    (task,) = get_tasks(["gsm8k"], datasets=tmp_path)
+    assert isinstance(task, LmEvalTask)
+    cfg = lm_eval_config(task, DATA_DIR, tmp_path)
+    assert cfg["dataset_path"] == str(repo) and cfg["dataset_name"] == "main"
+    docs = list(ConfigurableTask(config=cfg).test_docs())
+    first = json.loads((DATA_DIR / "gsm8k" / "test.jsonl").read_text().splitlines()[0])
+    assert len(docs) == 1319 and docs[0] == first
+
+
+@pytest.mark.slow
+def test_registered_gsm8k_runs_five_shot_from_the_local_copy_offline(passed_eval, tmp_path: Path) -> None:
+    """lm-eval's own `gsm8k`, unmodified, on both models, its data read from a hub-layout copy with the hub
+    switched off; lm-eval's results say how it ran."""
+    repo = hub_copy_of_gsm8k(tmp_path / "datasets")
+    ckpt = copy_checkpoint(passed_eval[0], tmp_path / "ckpt")
+    # --refresh-baseline: both models run here (a cached baseline would carry the path of an earlier copy)
+    args = ("eval", ckpt, "--tasks", "gsm8k", "--limit", "8", "--datasets", tmp_path / "datasets", "--refresh-baseline")
+    args += ("--no-parity", "--json")
+    proc = run_qserve_in_process(*args, env=OFFLINE)
+    assert proc.returncode in (0, 3, 4), proc.stderr[-3000:]
+    raw = json.loads((ckpt / LM_EVAL_RESULTS_NAME).read_text())
+    lm_eval_yaml = yaml.safe_load((Path(__import__("lm_eval").__file__).parent / "tasks/gsm8k/gsm8k.yaml").read_text())
+    for side in ("quantized", "baseline"):
+        assert raw[side]["n-shot"]["gsm8k"] == lm_eval_yaml["num_fewshot"] == 5
+        assert raw[side]["n-samples"]["gsm8k"]["effective"] == 8
+        assert raw[side]["configs"]["gsm8k"]["dataset_path"] == str(repo)
+    assert raw["quantized"]["configs"]["gsm8k"] == raw["baseline"]["configs"]["gsm8k"]
+    record = json.loads(proc.stdout)
+    assert record["baseline_cache"]["misses"] == ["gsm8k"]
+    (gate,) = record["gates"]
+    assert (gate["task"], gate["metric"], gate["items"]) == ("gsm8k", "exact_match,strict-match", 8)
+    expected = {
+        p.relative_to(repo).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in repo.rglob("*") if p.is_file()
+    }
+    assert record["request"]["datasets"]["gsm8k"] == {"dataset": "openai/gsm8k", "path": str(repo), "files": expected}
