@@ -26,7 +26,7 @@ demo: setup
 	$(UV) run --no-sync qserve run $(RECIPE) --tasks $(TASKS) --limit $(LIMIT)
 
 test: setup
-	$(UV) run --no-sync pytest -ra --durations=25 -m "not matrix"
+	$(UV) run --no-sync pytest -ra --durations=50 -m "not matrix"
 
 # The per-recipe cells beyond make test's slice (tests/test_support.py: the recipes nothing else in the
 # suite quantizes; tests/test_serve_matrix.py: the served text of each servable scheme beyond INT8;

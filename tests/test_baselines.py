@@ -25,26 +25,26 @@ def test_key_tracks_what_determines_the_score(isolated_cache: Path) -> None:
     data = isolated_cache / "test.jsonl"
     data.write_text('{"q": 1}\n')
     engine = {"pretrained": "/a", "dtype": "float32"}
-    key = baselines.task_key("m1", _config(data), 10, engine, "cpu", scoring=None)
-    assert key == baselines.task_key("m1", _config(data), 10, engine, "cpu", scoring=None)  # stable across calls
+    key = baselines.task_key("m1", _config(data), 10, engine, "cpu", scoring=None, lm_eval={})
+    assert key == baselines.task_key("m1", _config(data), 10, engine, "cpu", scoring=None, lm_eval={})  # stable across calls
     # The model's path is not part of it (the content hash is); the data file's content is.
-    assert key == baselines.task_key("m1", _config(data), 10, engine | {"pretrained": "/b"}, "cpu", scoring=None)
+    assert key == baselines.task_key("m1", _config(data), 10, engine | {"pretrained": "/b"}, "cpu", scoring=None, lm_eval={})
     changed = [
-        baselines.task_key("m2", _config(data), 10, engine, "cpu", scoring=None),
-        baselines.task_key("m1", _config(data, fewshot=0), 10, engine, "cpu", scoring=None),
-        baselines.task_key("m1", _config(data), 20, engine, "cpu", scoring=None),
-        baselines.task_key("m1", _config(data), 10, engine | {"dtype": "bfloat16"}, "cpu", scoring=None),
-        baselines.task_key("m1", _config(data), 10, engine, "cuda", scoring=None),
+        baselines.task_key("m2", _config(data), 10, engine, "cpu", scoring=None, lm_eval={}),
+        baselines.task_key("m1", _config(data, fewshot=0), 10, engine, "cpu", scoring=None, lm_eval={}),
+        baselines.task_key("m1", _config(data), 20, engine, "cpu", scoring=None, lm_eval={}),
+        baselines.task_key("m1", _config(data), 10, engine | {"dtype": "bfloat16"}, "cpu", scoring=None, lm_eval={}),
+        baselines.task_key("m1", _config(data), 10, engine, "cuda", scoring=None, lm_eval={}),
     ]
     assert all(k != key for k in changed)
     data.write_text('{"q": 2}\n')
-    assert baselines.task_key("m1", _config(data), 10, engine, "cpu", scoring=None) != key
+    assert baselines.task_key("m1", _config(data), 10, engine, "cpu", scoring=None, lm_eval={}) != key
 
 
 def test_store_lookup_and_damaged_entries(isolated_cache: Path) -> None:
     data = isolated_cache / "test.jsonl"
     data.write_text("{}\n")
-    key = baselines.task_key("m", _config(data), None, {}, "cpu", scoring=None)
+    key = baselines.task_key("m", _config(data), None, {}, "cpu", scoring=None, lm_eval={})
     assert baselines.lookup(key) is None
     path = baselines.store(key, {"results": {"acc,none": 0.5}}, {"acc,none": {"0": 1.0}})
     assert baselines.lookup(key)["items"] == {"acc,none": {"0": 1.0}}
@@ -71,13 +71,13 @@ def test_key_covers_torch_transformers_and_the_device_in_detail(isolated_cache: 
     data = isolated_cache / "test.jsonl"
     data.write_text("{}\n")
     real = baselines.library_versions()
-    key = baselines.task_key("m", _config(data), 10, {}, "cpu: A; avx2", scoring=None)
+    key = baselines.task_key("m", _config(data), 10, {}, "cpu: A; avx2", scoring=None, lm_eval={})
     assert (key["torch"], key["transformers"]) == (real["torch"], real["transformers"])
     for name in ("torch", "transformers", "lm-eval"):
         monkeypatch.setattr(baselines, "library_versions", lambda n=name: real | {n: "0.0.0"})
-        assert baselines.task_key("m", _config(data), 10, {}, "cpu: A; avx2", scoring=None) != key, name
+        assert baselines.task_key("m", _config(data), 10, {}, "cpu: A; avx2", scoring=None, lm_eval={}) != key, name
     monkeypatch.undo()
-    assert baselines.task_key("m", _config(data), 10, {}, "cpu: A; avx2 avx512f", scoring=None) != key  # another ISA
+    assert baselines.task_key("m", _config(data), 10, {}, "cpu: A; avx2 avx512f", scoring=None, lm_eval={}) != key  # another ISA
     assert fingerprint(Device("cuda", "NVIDIA H100 (compute capability 9.0)")) == "cuda: NVIDIA H100 (compute capability 9.0)"
     here = fingerprint(Device("cpu", "vLLM CPU build"))
     assert here.startswith("cpu: ") and "avx2" in here.split("; ")[1].split()
@@ -109,7 +109,7 @@ def test_key_follows_the_code_of_a_function_hook(isolated_cache: Path, monkeypat
         "process_docs",
         "return args[0]",
         "return args[0].select(range(1))",  # same name, other behaviour
-        lambda hook: baselines.task_key("m", _config(data) | {"process_docs": hook}, None, {}, "cpu", scoring=None),
+        lambda hook: baselines.task_key("m", _config(data) | {"process_docs": hook}, None, {}, "cpu", scoring=None, lm_eval={}),
     )
     assert edited != key
 
@@ -125,9 +125,9 @@ def test_key_follows_the_code_of_qserve_scoring(isolated_cache: Path, monkeypatc
         "lm_eval_vllm_class",
         "return 'sum of log-probabilities'",
         "return 'mean of log-probabilities'",  # same name, other scores
-        lambda scoring: baselines.task_key("m", _config(data), None, {}, "cpu", scoring=scoring),
+        lambda scoring: baselines.task_key("m", _config(data), None, {}, "cpu", scoring=scoring, lm_eval={}),
     )
-    assert key != baselines.task_key("m", _config(data), None, {}, "cpu", scoring=None)
+    assert key != baselines.task_key("m", _config(data), None, {}, "cpu", scoring=None, lm_eval={})
     assert edited != key
 
 

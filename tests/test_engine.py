@@ -10,6 +10,7 @@ from conftest import BFLOAT16_KERNEL, needs_vllm, quantize_in_process, run_qserv
 from qserve.checkpoint.manifest import read_manifest
 from qserve.device import detect
 from qserve.device.detect import Device, native_bfloat16
+from qserve.engines import kv_scales
 from qserve.engines import vllm as engine
 from qserve.evaluate import parity
 from qserve.models.sources import baseline_model
@@ -89,6 +90,47 @@ def test_activation_quantized_checkpoint_matches_transformers(checkpoints) -> No
     assert itself["mean_nats"] == 0.0
     assert result["tolerance"]["max_mean_abs_logprob_diff"] == parity.TOLERANCES["activation"].max_mean_abs_logprob_diff
     assert parity.PROMPTS[0] == "The capital of France is" and result["first_token"] == " Paris"
+
+
+@pytest.mark.slow
+@needs_vllm("w4a16-fp8kv")
+def test_the_kv_scales_are_read_from_the_workers_of_a_multiprocess_engine(checkpoints) -> None:
+    # vLLM's mp executor (and Ray's, built on it) sends the readout to its worker processes by pickle,
+    # which refuses a nested function: the same scales must come back as from the in-process executor.
+    ckpt = checkpoints["w4a16-fp8kv"]
+    manifest = read_manifest(ckpt)
+    read = {}
+    for backend in ("uni", "mp"):
+        with engine.open_engine(
+            ckpt, manifest.vllm_args, detect.detect_device(), ckpt.name, {"distributed_executor_backend": backend}
+        ) as lm:
+            read[backend] = kv_scales.kv_scales(lm)
+            assert kv_scales.engine_cache_dtype(lm) == "fp8"
+    assert read["mp"] == read["uni"] and len(read["mp"]) == 30  # SmolLM2's 30 attention layers
+    assert all(0 < k < 1.0 and 0 < v < 1.0 for _, k, v in read["mp"])  # calibrated, not vLLM's default 1.0
+
+
+@pytest.mark.slow
+@needs_vllm("w8a8-int8")
+def test_a_kv_cache_the_checkpoint_does_not_name_fails_the_kv_check(checkpoints) -> None:
+    # An FP8 KV cache moves INT8's log-probabilities by about 0.1 nats (0.22 -> 0.32 on an AMD EPYC),
+    # inside parity's tolerance for activation-quantized schemes: the engine's own dtype decides instead.
+    ckpt = checkpoints["w8a8-int8"]
+    manifest = read_manifest(ckpt)
+    checked = {}
+    for asked in ("auto", "fp8"):
+        with engine.open_engine(ckpt, manifest.vllm_args, detect.detect_device(), ckpt.name, {"kv_cache_dtype": asked}) as lm:
+            checked[asked] = kv_scales.check_kv_cache(
+                kv_scales.kv_scales(lm), manifest.vllm_args.kv_cache_dtype, kv_scales.engine_cache_dtype(lm)
+            )
+    assert manifest.vllm_args.kv_cache_dtype == "auto"
+    assert (checked["auto"]["status"], checked["auto"]["engine_kv_cache_dtype"]) == ("skipped", "auto")
+    assert checked["fp8"] == {
+        "status": "fail",
+        "kv_cache_dtype": "auto",
+        "engine_kv_cache_dtype": "fp8",
+        "reason": "vLLM runs a fp8 KV cache where the checkpoint asks for auto: the gate would measure another engine than the one it names",
+    }
 
 
 @pytest.mark.slow

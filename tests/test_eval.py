@@ -20,10 +20,10 @@ from conftest import (
 )
 
 from qserve.checkpoint.manifest import EVAL_NAME, LM_EVAL_RESULTS_NAME, hash_files, read_manifest, write_manifest
-from qserve.evaluate.reports import REPORT_NAME
 from qserve.gate import looks
 from qserve.gate.card import CARD_NAME, gate_rows
 from qserve.gate.decisions import Gate
+from qserve.gate.reports import REPORT_NAME
 from qserve.gate.spending import min_items
 
 

@@ -7,16 +7,20 @@ the bounds are recomputed from their definition, not read back from qserve.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
-from conftest import run_qserve_in_process
+import pytest
+from conftest import run_qserve_in_process, small_manifest
 from scipy.stats import t as t_dist
 
-from qserve.errors import EXIT_GATE_INCONCLUSIVE
+from qserve.checkpoint.manifest import EVAL_NAME, MANIFEST_NAME, hash_files, write_manifest
+from qserve.errors import EXIT_GATE_INCONCLUSIVE, QserveError
 
 
 def _run(root: Path, name: str, lls: list[float], words: list[int], exact: list[float]) -> Path:
@@ -238,3 +242,149 @@ def test_eval_and_gate_decide_alike_on_the_same_outputs(tmp_path: Path) -> None:
     from_eval = decide_gates(specs, metrics, engine_run(b), engine_run(q), looks.level(1))
     assert [asdict(g) for g in from_eval] == from_gate
     assert [g["status"] for g in from_gate] == ["pass", "inconclusive", "pass"]
+
+
+# `qserve gate --checkpoint`: the runs above bound to a small checkpoint (a real manifest over one file),
+# as lm-eval records a run's model (config.model_args; its Python API writes the "k=v,k=v" string) and start.
+RECIPE = {"name": "r", "gates": {"ppl_task": {"max_increase": 0.05}}}
+MADE = "2026-11-24T09:00:00+00:00"
+RAN = datetime(2026, 11, 24, 10, tzinfo=UTC).timestamp()  # an hour after the checkpoint was made
+
+
+def _bound(tmp_path: Path, recipe: dict = RECIPE) -> tuple[Path, Path, Path]:
+    """A checkpoint of its own weights (no other test's look history), and a pair of runs that name it."""
+    b, q, *_ = _pair(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors").write_bytes(f"weights of {tmp_path.name}".encode())
+    source = {"id": "org/base", "path": "/models/base", "source": "hub"}
+    manifest = small_manifest(recipe=recipe, source_model=source, created_at=MADE, dtype="bfloat16", files=hash_files(ckpt))
+    write_manifest(ckpt, manifest)
+    lm_eval = {"date": RAN, "lm_eval_version": "0.4.13"}
+    _edit(_results(b), config={"model": "vllm", "model_args": "pretrained=org/base"}, **lm_eval)
+    _edit(_results(q), config={"model": "vllm", "model_args": f"pretrained={ckpt},dtype=bfloat16"}, **lm_eval)
+    return ckpt, b, q
+
+
+def test_a_checkpoints_outside_pass_serves_and_its_inconclusive_gate_does_not(tmp_path: Path) -> None:
+    """The recipe's gate (ppl_task max_increase 0.05) decides when --gate names none; the record serve reads
+    names the runs; a later inconclusive gate replaces it, as the checkpoint's second look, and serve refuses."""
+    from qserve.serve.server import Checks
+
+    ckpt, b, q = _bound(tmp_path)
+    proc = run_qserve_in_process("gate", b, q, "--checkpoint", ckpt)
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads((ckpt / EVAL_NAME).read_text())
+    (gate,) = record["gates"]
+    assert (gate["task"], gate["criteria"], gate["status"], record["verdict"]) == (
+        "ppl_task",
+        {"max_increase": 0.05},
+        "pass",
+        "pass",
+    )
+    assert record["manifest_sha256"] == hashlib.sha256((ckpt / MANIFEST_NAME).read_bytes()).hexdigest()
+    quantized = record["outside_runs"]["quantized"]
+    assert (quantized["model_args"], quantized["date"], quantized["results"]) == (
+        f"pretrained={ckpt},dtype=bfloat16",
+        RAN,
+        str(_results(q).resolve()),
+    )
+    assert quantized["results_sha256"] == hashlib.sha256(_results(q).read_bytes()).hexdigest()
+    assert Checks().run(ckpt) == [f"accuracy gate passed (decided {record['decided_at']}, look 1 at these weights)"]
+    proc = run_qserve_in_process("gate", b, q, "--checkpoint", ckpt, "--tasks", "qa_task")
+    assert proc.returncode == EXIT_GATE_INCONCLUSIVE, proc.stderr
+    record = json.loads((ckpt / EVAL_NAME).read_text())
+    assert (record["verdict"], record["look"]["number"]) == ("inconclusive", 2)
+    with pytest.raises(QserveError) as refused:
+        Checks().run(ckpt)
+    assert str(refused.value) == (
+        f"{ckpt} did not pass its accuracy gate (verdict: inconclusive); see `qserve eval {ckpt}` (or pass --skip-gate)"
+    )
+
+
+def test_a_record_made_without_the_lm_eval_options_the_recipe_names_does_not_serve(tmp_path: Path) -> None:
+    """A recipe that names lm-eval options (its eval section) is met only by a record made with them."""
+    from qserve.serve.server import Checks
+
+    ckpt, b, q = _bound(tmp_path, RECIPE | {"eval": {"num_fewshot": 5}})
+    assert run_qserve_in_process("gate", b, q, "--checkpoint", ckpt).returncode == 0
+    with pytest.raises(QserveError) as refused:
+        Checks().run(ckpt)
+    assert str(refused.value) == (
+        "the gate record was made with other lm-eval options than recipe r names: the record does not say which "
+        f"lm-eval options it was made with (the recipe names num_fewshot) (run `qserve eval {ckpt}` without overriding "
+        "them, or pass --accept-gate-difference)"
+    )
+    record = json.loads((ckpt / EVAL_NAME).read_text())
+    record["request"] = {"lm_eval": {"num_fewshot": 0}}
+    (ckpt / EVAL_NAME).write_text(json.dumps(record))
+    with pytest.raises(QserveError) as refused:
+        Checks().run(ckpt)
+    assert "num_fewshot: the record was made with 0, the recipe names 5 (run" in str(refused.value)
+    record["request"] = {"lm_eval": {"num_fewshot": 5}}
+    (ckpt / EVAL_NAME).write_text(json.dumps(record))
+    assert Checks().run(ckpt) == [f"accuracy gate passed (decided {record['decided_at']}, look 1 at these weights)"]
+
+
+def _args(q: Path, args: str) -> None:
+    _edit(_results(q), config={"model": "vllm", "model_args": args})
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        pytest.param(
+            lambda ckpt, b, q: _args(q, "pretrained=/elsewhere/ckpt,dtype=bfloat16"),
+            "the quantized run {q} evaluated /elsewhere/ckpt, not the checkpoint {real}: its gate cannot authorize this checkpoint",
+            id="another-path",
+        ),
+        pytest.param(
+            lambda ckpt, b, q: _args(q, "pretrained=ckpt"),
+            "the quantized run {q} names the relative path ckpt, and lm-eval does not record where it ran; "
+            "run it with an absolute pretrained= path",
+            id="relative-path",
+        ),
+        pytest.param(
+            lambda ckpt, b, q: _args(q, f"pretrained={ckpt},peft=/adapters/a"),
+            "the quantized run {q} loaded peft=/adapters/a on top of the checkpoint: not what is served",
+            id="adapter",
+        ),
+        pytest.param(
+            lambda ckpt, b, q: _args(q, f"pretrained={ckpt},tokenizer=/models/base"),
+            "the quantized run {q} used the tokenizer /models/base, not the checkpoint's: not what is served",
+            id="tokenizer",
+        ),
+        pytest.param(
+            lambda ckpt, b, q: _args(q, f"pretrained={ckpt},kv_cache_dtype=fp8"),
+            "the quantized run {q} ran with kv_cache_dtype=fp8, and `qserve serve` runs the checkpoint with kv_cache_dtype=auto: "
+            "its scores are not those of what is served",
+            id="kv-cache-dtype",
+        ),
+        pytest.param(
+            lambda ckpt, b, q: _edit(_results(q), date=RAN - 7200),
+            "the quantized run {q} started 2026-11-24T08:00:00+00:00, before the checkpoint {ckpt} was made "
+            "(2026-11-24T09:00:00+00:00): it evaluated other weights at that path",
+            id="ran-before",
+        ),
+        pytest.param(
+            lambda ckpt, b, q: _edit(_results(q), config={"model": "vllm"}),
+            "{q} does not record the model it evaluated (lm-eval's config.model_args); it cannot vouch for a checkpoint",
+            id="no-model-args",
+        ),
+        pytest.param(
+            lambda ckpt, b, q: _args(b, "pretrained=org/other"),
+            "the baseline run {b} evaluated org/other, not {ckpt}'s source model org/base (/models/base): "
+            "the gate would compare the checkpoint with another model",
+            id="other-baseline",
+        ),
+    ],
+)
+def test_runs_not_of_the_checkpoint_are_refused_before_deciding(tmp_path: Path, edit, expected: str) -> None:
+    ckpt, b, q = _bound(tmp_path)
+    edit(ckpt, b, q)
+    files = sorted(p.name for p in ckpt.iterdir())
+    proc = run_qserve_in_process("gate", b, q, "--checkpoint", ckpt, "--out", tmp_path / "gate.json")
+    assert proc.returncode == 1
+    where = {"q": _results(q), "b": _results(b), "ckpt": ckpt, "real": ckpt.resolve()}
+    assert proc.stderr.strip() == "error: " + expected.format(**where)
+    assert sorted(p.name for p in ckpt.iterdir()) == files and not (tmp_path / "gate.json").exists()  # nothing written

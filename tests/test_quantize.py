@@ -455,7 +455,7 @@ model.save_pretrained(out, save_compressed=True)
 """
 
 
-@pytest.mark.slow
+@pytest.mark.matrix  # a second full calibration of the tuned recipe (two minutes): CI's second phase
 def test_raw_llm_compressor_rerun_of_the_checkpoints_recipe_gives_the_same_weights(
     checkpoints, embedded_model_dir: Path, tmp_path: Path
 ) -> None:

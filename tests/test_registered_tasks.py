@@ -198,3 +198,43 @@ def test_registered_gsm8k_runs_five_shot_from_the_local_copy_offline(passed_eval
         p.relative_to(repo).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in repo.rglob("*") if p.is_file()
     }
     assert record["request"]["datasets"]["gsm8k"] == {"dataset": "openai/gsm8k", "path": str(repo), "files": expected}
+
+
+@pytest.mark.slow
+def test_registered_cot_task_with_the_chat_template_as_turns_on_both_models(
+    passed_eval, embedded_model_dir, tmp_path: Path
+) -> None:
+    """lm-eval's own `gsm8k_cot_llama` through the model's chat template with the few-shot examples as chat
+    turns, a system instruction, 3 shots, a generation budget and seeds: lm-eval's results on each model say
+    it prompted that way, and the record keeps them for both."""
+    hub_copy_of_gsm8k(tmp_path / "datasets")
+    ckpt = copy_checkpoint(passed_eval[0], tmp_path / "ckpt")
+    system = "You are a careful math tutor."
+    args = ("eval", ckpt, "--tasks", "gsm8k_cot_llama", "--limit", "5", "--datasets", tmp_path / "datasets")
+    args += ("--apply-chat-template", "--fewshot-as-multiturn", "--system-instruction", system, "--num-fewshot", "3")
+    args += ("--gen-kwargs", "max_gen_toks=96", "--seed", "1,2,3,4", "--refresh-baseline", "--no-parity", "--json")
+    proc = run_qserve_in_process(*args, env=OFFLINE)
+    assert proc.returncode in (0, 3, 4), proc.stderr[-3000:]
+    # the template the model ships, read here from its own file (transformers loads chat_template.jinja as is)
+    template = (embedded_model_dir / "chat_template.jinja").read_text()
+    raw = json.loads((ckpt / LM_EVAL_RESULTS_NAME).read_text())
+    for side in ("quantized", "baseline"):
+        got = raw[side]
+        assert got["chat_template"] == template
+        assert got["chat_template_sha"] == hashlib.sha256(template.encode()).hexdigest()
+        assert got["system_instruction_sha"] == hashlib.sha256(system.encode()).hexdigest()
+        assert got["fewshot_as_multiturn"] is True
+        assert got["n-shot"]["gsm8k_cot_llama"] == 3  # its YAML says 8
+        assert got["n-samples"]["gsm8k_cot_llama"]["effective"] == 5
+        assert got["config"]["gen_kwargs"] == {"max_gen_toks": 96}
+        seeds = [got["config"][k] for k in ("random_seed", "numpy_seed", "torch_seed", "fewshot_seed")]
+        assert seeds == [1, 2, 3, 4]
+        assert len(got["task_hashes"]["gsm8k_cot_llama"]) == 64
+    assert raw["quantized"]["task_hashes"] == raw["baseline"]["task_hashes"]  # the same prompts, item by item
+    record = json.loads(proc.stdout)
+    assert record["baseline_cache"]["misses"] == ["gsm8k_cot_llama"]
+    for side in ("quantized", "baseline"):
+        assert record["prompting"][side]["chat_template_sha"] == hashlib.sha256(template.encode()).hexdigest()
+        assert record["prompting"][side]["n-shot"] == {"gsm8k_cot_llama": 3}
+    asked = record["request"]["lm_eval"]
+    assert (asked["apply_chat_template"], asked["fewshot_as_multiturn"], asked["system_instruction"]) == (True, True, system)

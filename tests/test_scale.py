@@ -60,6 +60,20 @@ def test_torchrun_command_for_each_node() -> None:
         distributed.torchrun_command(Path("/s/job.json"), 8, nnodes=2)
 
 
+def test_calibration_across_machines_is_refused_where_ranks_would_miss_their_devices() -> None:
+    # llm-compressor 0.14's get_main_device indexes the accelerator by the global rank: refused on GPUs
+    # (one line, before any work), allowed on CPU machines such as this one, where every rank uses the CPU.
+    with pytest.raises(QserveError) as e:
+        distributed.check_nodes(2, "cuda")
+    assert str(e.value) == (
+        "--nnodes 2 on cuda: llm-compressor puts rank R on cuda:R (the global rank), so the ranks of every "
+        "node after the first ask for devices they do not have; calibrate on one node (--nproc up to its device count)"
+    )
+    distributed.check_nodes(1, "cuda")
+    assert distributed.current_accelerator() is None
+    distributed.check_nodes(2, distributed.current_accelerator())
+
+
 def test_samples_are_split_contiguously_and_completely() -> None:
     assert distributed.samples_per_rank(32, 2) == [16, 16]
     assert distributed.samples_per_rank(10, 4) == [2, 3, 2, 3]

@@ -29,9 +29,10 @@ app = typer.Typer(
 # Extra arguments only after `--` (they go to vLLM); an unknown option before it is a typo, not a pass-through.
 PASS_THROUGH = {"allow_extra_args": True}
 
-app.command("run", context_settings=PASS_THROUGH)(run.run)
+# `eval` and `run` take lm-eval's --apply-chat-template bare or with =NAME (evaluate.LmEvalCommand).
+app.command("run", context_settings=PASS_THROUGH, cls=evaluate.LmEvalCommand)(run.run)
 app.command("quantize")(quantize.quantize)
-app.command("eval")(evaluate.eval_)
+app.command("eval", cls=evaluate.LmEvalCommand)(evaluate.eval_)
 app.command("serve", context_settings=PASS_THROUGH)(serve.serve)
 app.command("reproduce")(quantize.reproduce)
 app.command("inspect")(checkpoint.inspect)

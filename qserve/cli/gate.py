@@ -26,6 +26,16 @@ def gate(
             "continues here, so each new set of items spends less of the 5 %; the same items again are the same look.",
         ),
     ] = None,
+    checkpoint: Annotated[
+        Path | None,
+        typer.Option(
+            "--checkpoint",
+            help="The qserve checkpoint the quantized run evaluated: its files are checked against its manifest, the "
+            "quantized run's model_args must name its directory (absolute path) and the baseline's its source model, "
+            "then the decision is written into it as its gate record, so `qserve serve` starts on a PASS. Its recipe's "
+            "gates apply to tasks --gate does not name.",
+        ),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Apply qserve's paired gate to two lm-eval runs made elsewhere (a GPU cluster, a CI job).
@@ -37,21 +47,40 @@ def gate(
     qserve counts only the looks it is shown: after an inconclusive run, gate the larger run with
     `--looks-from` the first one's --out record. Exit 0 PASS, 3 FAIL, 4 INCONCLUSIVE.
 
+    Alone, the verdict serves nothing. With `--checkpoint DIR` it becomes DIR's gate record, as `qserve eval`
+    writes its own, naming the two runs: `qserve serve DIR` then starts on a PASS (and refuses a FAIL or an
+    INCONCLUSIVE, or gates short of the recipe's). Refused before deciding, with nothing written: a file of DIR
+    that differs from its manifest, a quantized run of another path (lm-eval's config.model_args
+    `pretrained=`), with an adapter, another tokenizer or another kv_cache_dtype, or started before DIR was
+    made, and a baseline run of another model than DIR's source.
+
     \b
     Example:
       lm_eval --model vllm --model_args pretrained=BASE --tasks gsm8k --log_samples --output_path runs/base
       lm_eval --model vllm --model_args pretrained=QUANT --tasks gsm8k --log_samples --output_path runs/quant
       qserve gate runs/base runs/quant --gate gsm8k:max_drop=0.02 --out gate-1.json
       qserve gate runs/base-1000 runs/quant-1000 --gate gsm8k:max_drop=0.02 --looks-from gate-1.json
+      lm_eval --model vllm --model_args pretrained=$PWD/out-w8a8-int8 --tasks gsm8k_ppl --include_path my_tasks \\
+        --log_samples --output_path runs/q           (runs/b: pretrained= the source model, the same options)
+      qserve gate runs/b runs/q --checkpoint out-w8a8-int8 && qserve serve out-w8a8-int8
     """
     from qserve.gate.decisions import parse_cli_gates
     from qserve.gate.external import format_report, gate_runs
     from qserve.paths import write_json
 
-    summary = gate_runs(baseline, quantized, parse_cli_gates(gate or []), split(tasks), looks_from)
+    opened = None
+    if checkpoint is not None:
+        from qserve.checkpoint.opened import open_checkpoint
+
+        opened = open_checkpoint(checkpoint)  # its files against its manifest, before any run is read
+    summary = gate_runs(baseline, quantized, parse_cli_gates(gate or []), split(tasks), looks_from, opened)
     if out is not None:
         write_json(out, summary)
     typer.echo(json.dumps(summary, indent=2) if as_json else format_report(summary))
+    if opened is not None:
+        from qserve.progress import info
+
+        info(f"gate record written into {checkpoint} (qserve_eval.json): `qserve serve {checkpoint}` reads it")
     raise typer.Exit(verdict_exit(summary["verdict"]))
 
 

@@ -56,9 +56,12 @@ def quantize(
       qserve quantize recipes/w4a16-gptq.yaml --model ./llama-70b --nproc 8
       qserve quantize recipes/w4a16-gptq.yaml --model /shared/llama-70b --nproc 8 --nnodes 2 --rdzv-endpoint node0:29500
     """
+    from qserve.quantize.distributed import check_nodes, current_accelerator
     from qserve.quantize.pipeline import QuantizeOptions
     from qserve.workflows.run import quantize_logged
 
+    if nnodes > 1:
+        check_nodes(nnodes, current_accelerator())
     nodes = {"nnodes": nnodes, "rdzv_endpoint": rdzv_endpoint} if nnodes > 1 else {}
     options = QuantizeOptions(
         model=model,

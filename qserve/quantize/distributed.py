@@ -43,6 +43,25 @@ def torchrun_command(job: Path, nproc: int, nnodes: int = 1, node_rank: int = 0,
     return cmd + ["-m", "qserve.quantize.distributed", str(job)]
 
 
+def check_nodes(nnodes: int, accelerator: str | None) -> None:
+    """Calibration across machines only where llm-compressor puts each rank on a device it has. Its
+    get_main_device (llmcompressor/utils/dev.py, 0.14) takes the device index from the GLOBAL rank, so
+    a second node's ranks would ask for `cuda:8` and up; on CPUs every rank calibrates on the CPU."""
+    if nnodes > 1 and accelerator is not None:
+        raise QserveError(
+            f"--nnodes {nnodes} on {accelerator}: llm-compressor puts rank R on {accelerator}:R (the global rank), "
+            f"so the ranks of every node after the first ask for devices they do not have; calibrate on one node "
+            f"(--nproc up to its device count)"
+        )
+
+
+def current_accelerator() -> str | None:
+    """torch's accelerator type here (cuda, xpu, ...), None on a CPU-only machine."""
+    import torch
+
+    return torch.accelerator.current_accelerator().type if torch.accelerator.is_available() else None
+
+
 def samples_per_rank(count: int, world: int) -> list[int]:
     return [len(range(*share_bounds(count, r, world))) for r in range(world)]
 

@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from qserve.errors import InvalidSpec, QserveError
+from qserve.gate.lm_eval_args import LmEvalArgs
 from qserve.gate.policy import GateSpec
 from qserve.paths import project_data
 from qserve.schemes.backends import ALGORITHMS, BACKENDS
@@ -124,6 +125,30 @@ class LayerOverride(_Strict):
         return name
 
 
+class EvalSpec(_Strict):
+    """lm-eval's evaluation options for both models, named as simple_evaluate's keywords; `qserve eval`'s and
+    `qserve run`'s options of the same names win over them."""
+
+    num_fewshot: int | None = Field(None, ge=0, description="few-shot examples per item (default: each task's own)")
+    apply_chat_template: bool | str | None = Field(
+        None, description="true: prompt through the model's chat template; a name picks one of several"
+    )
+    fewshot_as_multiturn: bool | None = Field(None, description="few-shot examples as chat turns (default: with the template)")
+    system_instruction: str | None = Field(None, description="a system prompt for both models")
+    gen_kwargs: str | dict[str, Any] | None = Field(
+        None, description="generation settings over each task's (k=v,k=v or a mapping)"
+    )
+    seed: int | str | list[int | None] | None = Field(None, description="lm-eval's --seed: one, or python,numpy,torch,fewshot")
+
+    @model_validator(mode="after")
+    def _as_lm_eval_takes_them(self) -> EvalSpec:
+        self.args().check(cli=False)  # parsed as lm-eval parses them, and refused where lm-eval would refuse
+        return self
+
+    def args(self) -> LmEvalArgs:
+        return LmEvalArgs.from_recipe(self.model_dump())
+
+
 # Calibration for llm-compressor modifiers that need data but came without any (plain recipes).
 DEFAULT_CALIBRATION = {"source": "gsm8k-train", "samples": 32, "seq_len": DEFAULT_SEQ_LEN}
 
@@ -160,6 +185,7 @@ class Recipe(_Strict):
     )
     calibration: CalibrationSpec | None = None
     kv_cache: KvCacheSpec | None = None
+    eval: EvalSpec | None = Field(None, description="lm-eval's options for both models (num_fewshot, apply_chat_template, ...)")
     gates: dict[str, list[GateSpec]] = Field(
         default_factory=dict,
         description="task -> minimum recovery, or {metric, min_recovery, max_drop, max_increase}, or a list of those",
@@ -361,7 +387,7 @@ def _model_at(loc: list) -> type[BaseModel]:
     if parents[0] == "gates":
         return GateSpec
     named = {"generate": GenerateSpec, "mix": DataSource, "calibration": CalibrationSpec, "kv_cache": KvCacheSpec}
-    return {**named, "overrides": LayerOverride}.get(parents[-1], Recipe)
+    return {**named, "overrides": LayerOverride, "eval": EvalSpec}.get(parents[-1], Recipe)
 
 
 def _line_of(node: yaml.Node | None, loc: list) -> int | None:

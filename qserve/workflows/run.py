@@ -89,13 +89,14 @@ def _source(manifest: Manifest) -> tuple[Path, str] | None:
 def check_run_before_work(recipe: Path, options: EvalOptions) -> tuple[Recipe, str]:
     """`qserve run` quantizes, then evaluates, then serves: first, before any work, the recipe is parsed
     (once, for every step after), its scheme checked against what `qserve serve` serves on this device
-    (support/claims.py), and the eval's checks that need no model made (tasks, gates, data)."""
-    from qserve.evaluate.evaluation import plan_tasks
+    (support/claims.py), and the eval's checks that need no model made (tasks, gates, data, lm-eval's options)."""
+    from qserve.evaluate.evaluation import plan_lm_eval, plan_tasks
     from qserve.quantize.recipe import load_recipe
 
     parsed, sha = load_recipe(recipe)
     _check_servable_here(parsed)
     plan_tasks(parsed.gates, options)
+    plan_lm_eval(parsed.eval.model_dump() if parsed.eval else None, options)
     return parsed, sha
 
 

@@ -61,7 +61,10 @@ def _verdict_section(record: EvalRecord) -> list[str]:
         "",
     ]
     if record.emulated:
-        out += ["> **Emulated**: vLLM cannot run this scheme on this device; scores come from transformers.", ""]
+        why = "vLLM cannot run this scheme on this device"
+        if record.outside_runs:
+            why = "the lm-eval runs made outside qserve used transformers"
+        out += [f"> **Emulated**: {why}; scores come from transformers.", ""]
     out += md_table(gate_rows(record.gates)) + [""]
     out += [f"- {g.task} / {g.metric}: **{_status(g)}**: {g.reason}" for g in record.gates] + [""]
     return out + ([_look_line(record), ""] if _look_line(record) else [])
@@ -98,6 +101,8 @@ def _kv_section(record: EvalRecord) -> list[str]:
 
 
 def _setup_section(record: EvalRecord) -> list[str]:
+    if record.outside_runs:
+        return _outside_section(record)
     cache, device, args, base = record.baseline_cache, record.device, record.engine_args, record.baseline_model
     assert cache and device and args and base, "qserve eval writes these"  # a missing one is a qserve bug
     return [
@@ -107,6 +112,7 @@ def _setup_section(record: EvalRecord) -> list[str]:
         f"- Device: {device.kind} ({device.detail})",
         f"- Quantized engine: `{json.dumps(args.quantized)}`",
         f"- Baseline: {base.id}, engine `{json.dumps(args.baseline)}`; cached for: {', '.join(cache.hits) or 'none'}",
+        *_lm_eval_lines(record),
         f"- Versions: {', '.join(f'{k} {v}' for k, v in sorted((record.versions or {}).items()))}",
         f"- Timings (s): {', '.join(f'{k} {v}' for k, v in (record.timings or {}).items())}",
         "",
@@ -115,6 +121,27 @@ def _setup_section(record: EvalRecord) -> list[str]:
         "a pass must clear the allowance at the one-sided 95% noise bound.",
         "",
     ]
+
+
+def _outside_section(record: EvalRecord) -> list[str]:
+    """`qserve gate --checkpoint`: the two lm-eval runs made elsewhere, as their results state them."""
+    runs = record.outside_runs
+    assert runs is not None
+    lines = ["## Setup", "", f"- Scheme: {record.scheme} (recipe `{record.recipe}`)"]
+    for side, run in (("Baseline", runs.baseline), ("Quantized", runs.quantized)):
+        args = json.dumps(run.model_args) if isinstance(run.model_args, dict) else run.model_args
+        lines.append(f"- {side}: lm-eval {run.lm_eval_version} run outside qserve, `{run.model}` with `{args}`: {run.results}")
+    return [*lines, "", "Scores and items are those lm-eval wrote; qserve decided the gate on them (`qserve gate`).", ""]
+
+
+def _lm_eval_lines(record: EvalRecord) -> list[str]:
+    """lm-eval's options as both models got them, and the chat template by hash when one was applied."""
+    asked = (record.request or {}).get("lm_eval")
+    if asked is None:
+        return []
+    sha = record.prompting.quantized.get("chat_template_sha") if record.prompting else None
+    template = f"; chat template sha256 {sha}" if sha else ""
+    return [f"- lm-eval options (both models): `{json.dumps(asked)}`{template}"]
 
 
 def _kl_line(record: EvalRecord) -> str | None:
