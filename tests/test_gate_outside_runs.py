@@ -25,7 +25,9 @@ from qserve.checkpoint.manifest import EVAL_NAME, MANIFEST_NAME, read_manifest
 from qserve.errors import QserveError
 from qserve.serve.server import Checks
 
-pytestmark = pytest.mark.slow
+# Two lm-eval runs of 150 items through transformers (minutes): CI's second phase (make test-matrix);
+# tests/test_gate_cli.py checks the same bindings on runs written in lm-eval's layout within make test.
+pytestmark = [pytest.mark.slow, pytest.mark.matrix]
 # The demo's weights were looked at before (its own eval, in a full session other tests' evals of them;
 # the cache's ledger counts them): at the k-th look a perplexity gate passes only from 69, 96, 111, 123,
 # 131, 138, 144 items.
