@@ -31,7 +31,9 @@ test: setup
 # The per-recipe cells beyond make test's slice (tests/test_support.py: the recipes nothing else in the
 # suite quantizes; tests/test_serve_matrix.py: the served text of each servable scheme beyond INT8;
 # tests/test_tune.py: the shipped tuned recipe; tests/test_real_weights.py: Gemma 3 through the demo;
-# tests/test_gate_levels.py: the level of later looks, on four times the draws);
+# tests/test_gate_levels.py: the level of later looks, on four times the draws; tests/test_quantize.py: the
+# tuned recipe re-run through raw llm-compressor; tests/test_gate_outside_runs.py: real lm-eval runs made
+# outside and gated with --checkpoint);
 # .ci/run runs it after make test.
 test-matrix: setup
 	$(UV) run --no-sync pytest -ra --durations=10 -m matrix
