@@ -47,12 +47,14 @@ test-fast: setup
 matrix: setup
 	$(UV) run --no-sync qserve matrix --out docs/architectures.md
 
-# The CLI reference, from the commands' own --help, the benchmarks page, from the recorded results, and
-# the patch table (tests/test_cli.py and tests/test_compat.py fail when one is stale).
+# The CLI reference, from the commands' own --help, the benchmarks page, from the recorded results, the
+# patch table and the benchmark-power page (tests/test_cli.py, test_compat.py and test_benchmark_power.py
+# fail when one is stale).
 docs: setup
 	$(UV) run --no-sync python -m qserve.cli.reference > docs/cli.md
 	$(UV) run --no-sync python -m qserve.bench.page docs > docs/benchmarks.md
 	$(UV) run --no-sync python -m qserve.compat > docs/patches.md
+	$(UV) run --no-sync python -m qserve.gate.power > docs/benchmark-power.md
 
 # qserve against the raw libraries on this machine, side by side; records the result in
 # docs/benchmarks/ and regenerates docs/benchmarks.md from every recorded machine.
