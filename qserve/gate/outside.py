@@ -38,8 +38,10 @@ def model_args(raw: dict[str, Any], where: Path) -> dict[str, Any]:
     args = (raw.get("config") or {}).get("model_args") if isinstance(raw.get("config"), dict) else None
     if isinstance(args, dict):
         return args
-    if isinstance(args, str):  # lm-eval's simple_parse_args_string: split on ",", then on the first "="
-        return {k: v for k, _, v in (item.partition("=") for item in args.split(",") if item)}
+    if isinstance(args, str):  # read as lm-eval read it to load the model
+        from lm_eval.utils import simple_parse_args_string
+
+        return simple_parse_args_string(args)
     raise QserveError(
         f"{where} does not record the model it evaluated (lm-eval's config.model_args); it cannot vouch for a checkpoint"
     )
