@@ -23,6 +23,7 @@ def test_quantized_layers_shrink_as_the_scheme_says(checkpoints) -> None:
     assert 0.50 <= w8["ratio"] <= 0.52
 
 
+@pytest.mark.matrix  # make test-matrix (CI runs it after make test): keeps make test within 30 minutes
 @pytest.mark.slow
 @needs_vllm("w4a16-gptq", "w8a8-int8")
 def test_compare_shares_one_cached_baseline_and_writes_table_plot_json(checkpoints, tmp_path: Path) -> None:

@@ -117,6 +117,7 @@ def test_the_start_method_chosen_holds_only_in_the_block(monkeypatch) -> None:
     assert CpuPlatform.check_and_update_config.__func__ is configure.__func__
 
 
+@pytest.mark.matrix  # make test-matrix (CI runs it after make test): keeps make test within 30 minutes
 @pytest.mark.slow
 def test_an_eval_with_every_patch_off_scores_exactly_as_with_them_on(passed_eval, tmp_path: Path) -> None:
     """The demo's eval again, with QSERVE_COMPAT_OFF=all (every patch but the fixes it cannot run

@@ -234,12 +234,20 @@ def test_verdict_rule() -> None:
 
 def test_a_gate_on_a_task_not_evaluated_is_an_error() -> None:
     from qserve.evaluate.evaluation import _check_gated_tasks
+    from qserve.evaluate.tasks import resolve_tasks
 
-    _check_gated_tasks({"gsm8k": []}, ["gsm8k", "gsm8k_ppl"])
+    _check_gated_tasks({"gsm8k": []}, resolve_tasks(["gsm8k", "gsm8k_ppl"]))
     with pytest.raises(QserveError) as e:
-        _check_gated_tasks({"gsm8k_mc": [], "gsm8k": []}, ["gsm8k"])
+        _check_gated_tasks({"gsm8k_mc": [], "gsm8k": []}, resolve_tasks(["gsm8k"]))
     assert (
         str(e.value) == "--gate names gsm8k_mc, which this eval does not run (tasks: gsm8k); add it to --tasks or drop the gate"
+    )
+    _check_gated_tasks({"mmlu_anatomy": [], "mmlu": []}, resolve_tasks(["mmlu"]))  # a group's task may be gated
+    with pytest.raises(QserveError) as e:
+        _check_gated_tasks({"gsm8k": []}, resolve_tasks(["mmlu"]))
+    assert str(e.value) == (
+        "--gate names gsm8k, which this eval does not run (tasks: mmlu, and 57 tasks inside its groups); "
+        "add it to --tasks or drop the gate"
     )
 
 

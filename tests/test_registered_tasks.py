@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import DATA_DIR, copy_checkpoint, run_qserve_in_process, small_manifest
+from conftest import DATA_DIR, REPO, copy_checkpoint, run_qserve_in_process, small_manifest
 
 from qserve.checkpoint.manifest import LM_EVAL_RESULTS_NAME, hash_files, write_manifest
 from qserve.errors import QserveError
-from qserve.evaluate.tasks import LmEvalTask, get_tasks, lm_eval_config
+from qserve.evaluate.tasks import LmEvalTask, get_tasks, lm_eval_config, resolve_tasks
+from qserve.gate.core import Group, Pooled
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
@@ -120,9 +121,101 @@ def test_an_unknown_task_is_one_line_with_the_closest_names(tmp_path: Path) -> N
     )
 
 
-def test_a_group_is_refused_for_now() -> None:
-    with pytest.raises(QserveError, match="^mmlu is an lm-eval group .*groups are not gated yet"):
-        get_tasks(["mmlu"])
+def test_mmlu_resolves_to_its_57_subjects_gated_as_one_group() -> None:
+    """lm-eval's mmlu group: its four category groups' subjects (a tag each), one gated unit, lm-eval's
+    size-weighted acc its headline; a subject named beside it is gated too."""
+    import lm_eval
+
+    default = Path(lm_eval.__file__).parent / "tasks" / "mmlu" / "default"
+    subjects = sorted(p.stem for p in default.glob("mmlu_*.yaml"))  # one YAML per subject, read here
+    resolved = resolve_tasks(["mmlu", "mmlu_anatomy"])
+    assert sorted(t.name for t in resolved.tasks) == subjects and len(subjects) == 57
+    group = resolved.groups["mmlu"]
+    assert (group.name, sorted(group.members), group.aggregate) == ("mmlu", subjects, (("acc,none", True),))
+    assert resolved.units == ["mmlu", "mmlu_anatomy"]
+
+
+class _Scores:
+    """Per-task stated scores and items, as one model's lm-eval output gives them (gate.core.Scores)."""
+
+    def __init__(self, tasks: dict[str, dict[str, float]]) -> None:
+        self.tasks = tasks
+
+    def higher_is_better(self, task: str, metric: str) -> bool:
+        return True
+
+    def score(self, task: str, metric: str):
+        if task not in self.tasks:
+            raise QserveError(f"no {task}")
+        items = self.tasks[task]
+        return sum(items.values()) / len(items), None, items
+
+    def check_items_add_up(self, task: str, metric: str, scored) -> None:
+        pass
+
+
+def test_a_group_pools_its_tasks_items_and_states_lm_evals_aggregate() -> None:
+    """Items keyed task/doc_id, all in one paired test; the stated score lm-eval's size-weighted mean (here
+    3 of 4 and 1 of 2: (3 + 1) / 6), or the plain mean of the two (0.625) without weight_by_size."""
+    scores = _Scores({"a": {"0": 1.0, "1": 1.0, "2": 0.0, "3": 1.0}, "b": {"0": 0.0, "1": 1.0}})
+    for by_size, expected in ((True, 4 / 6), (False, (0.75 + 0.5) / 2)):
+        pooled = Pooled(scores, {"g": Group("g", ("a", "b", "c"), (("acc,none", by_size),))})
+        stated, _, items = pooled.score("g", "acc,none")
+        assert stated == pytest.approx(expected, abs=1e-12)
+        assert items == {"a/0": 1.0, "a/1": 1.0, "a/2": 0.0, "a/3": 1.0, "b/0": 0.0, "b/1": 1.0}  # c reports nothing
+    with pytest.raises(QserveError, match="^group g: none of its 1 tasks reports acc,none$"):
+        Pooled(scores, {"g": Group("g", ("c",), (("acc,none", True),))}).score("g", "acc,none")
+
+
+# Two multiple-choice tasks over GSM8K questions and a group over them: each item asks for the word that
+# follows the first half of a question, against a non-word, so that both models answer every item alike;
+# every fourth item names the non-word its target, so the items score 0 and 1 (all 1 would decide nothing).
+def _group_folder(tmp_path: Path, per_task: int) -> Path:
+    folder = tmp_path / "group_tasks"
+    folder.mkdir()
+    lines = (DATA_DIR / "gsm8k" / "test.jsonl").read_text().splitlines()
+    for k, name in enumerate(("half_a", "half_b")):
+        docs = []
+        for i, line in enumerate(lines[k * per_task : (k + 1) * per_task]):
+            words = json.loads(line)["question"].split()
+            docs.append({"text": " ".join(words[: len(words) // 2]), "next": words[len(words) // 2], "target": int(i % 4 == 3)})
+        data = tmp_path / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+        task = {"task": name, **COMMON, "doc_to_text": "{{text}}", "dataset_kwargs": {"data_files": {"test": str(data)}}}
+        task |= {"output_type": "multiple_choice", "doc_to_choice": "{{[next, 'qxzvj']}}", "doc_to_target": "{{target}}"}
+        (folder / f"{name}.yaml").write_text(yaml.safe_dump(task))
+    group = {
+        "group": "halves",
+        "task": ["half_a", "half_b"],
+        "aggregate_metric_list": [{"metric": "acc", "weight_by_size": True}],
+    }
+    (folder / "_halves.yaml").write_text(yaml.safe_dump(group))
+    return folder
+
+
+def test_a_group_in_a_task_folder_is_one_gate_over_its_tasks_pooled_items(passed_eval, tmp_path: Path) -> None:
+    """`--tasks halves` runs both tasks on both models and gates once, over the 2 x 100 items; the stated
+    scores are lm-eval's per-task scores weighted by their items, read here from lm-eval's results."""
+    per_task = 100
+    folder = _group_folder(tmp_path, per_task)
+    ckpt = copy_checkpoint(passed_eval[0], tmp_path / "ckpt")
+    proc = run_qserve_in_process("eval", ckpt, "--tasks", "halves", "--include-path", folder, "--no-parity", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(proc.stdout)
+    raw = json.loads((ckpt / LM_EVAL_RESULTS_NAME).read_text())
+    assert record["tasks"] == ["half_a", "half_b"]
+    assert record["groups"] == {"halves": {"name": "halves", "members": ["half_a", "half_b"], "aggregate": [["acc,none", True]]}}
+    (gate,) = record["gates"]
+    assert (gate["task"], gate["metric"], gate["items"], gate["status"]) == ("halves", "acc,none", 2 * per_task, "pass")
+    for side in ("baseline", "quantized"):
+        assert [raw[side]["n-samples"][t]["effective"] for t in ("half_a", "half_b")] == [per_task, per_task]
+        stated = sum(raw[side]["results"][t]["acc,none"] for t in ("half_a", "half_b")) / 2  # equal sizes
+        assert gate[side] == pytest.approx(stated, abs=1e-12)
+    report = (ckpt / "qserve_eval.md").read_text()
+    assert "## halves: its 2 tasks" in report
+    for t in ("half_a", "half_b"):
+        b, q = (raw[side]["results"][t]["acc,none"] for side in ("baseline", "quantized"))
+        assert f"| {t} | acc,none | {per_task} | {b:.4f} | {q:.4f} |" in report
 
 
 def test_offline_without_a_copy_is_one_error_line_naming_the_dataset(tmp_path: Path) -> None:
@@ -238,3 +331,65 @@ def test_registered_cot_task_with_the_chat_template_as_turns_on_both_models(
         assert record["prompting"][side]["n-shot"] == {"gsm8k_cot_llama": 3}
     asked = record["request"]["lm_eval"]
     assert (asked["apply_chat_template"], asked["fewshot_as_multiturn"], asked["system_instruction"]) == (True, True, system)
+
+
+def _outside_group_run(folder: Path, out: Path, lost: set[str]) -> None:
+    """lm-eval's own run of the group `halves` and its files, as `lm_eval --output_path --log_samples` writes
+    them, by a model that prefers each item's real next word, except in the contexts `lost`."""
+    import lm_eval
+    from lm_eval.api.model import LM
+    from lm_eval.loggers import EvaluationTracker
+    from lm_eval.tasks import TaskManager
+
+    class Scripted(LM):
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            return [(-1.0 if (c.strip() == "qxzvj") == (q in lost) else -2.0, False) for q, c in (r.args for r in requests)]
+
+        def generate_until(self, requests, disable_tqdm: bool = False):
+            raise NotImplementedError
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+            raise NotImplementedError
+
+    manager = TaskManager(include_defaults=False, include_path=str(folder))
+    results = lm_eval.simple_evaluate(model=Scripted(), tasks=["halves"], task_manager=manager, log_samples=True)
+    samples = results.pop("samples")
+    tracker = EvaluationTracker(output_path=str(out))
+    tracker.save_results_aggregated(results=results, samples=samples)
+    for task in results["configs"]:
+        tracker.save_results_samples(task_name=task, samples=samples[task])
+
+
+def test_qserve_gate_pools_a_group_lm_eval_ran_outside(tmp_path: Path) -> None:
+    """`qserve gate` on two outside runs of a group gates the group once (lm-eval's group_subtasks give its
+    tasks), over both tasks' items: 5 items lost (3 in one task, 2 in the other) of 2 x 40."""
+    per_task = 40
+    folder = _group_folder(tmp_path, per_task)
+    texts = {
+        name: [json.loads(x)["text"] for x in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        for name in ("half_a", "half_b")
+    }
+    lost = set(texts["half_a"][:3]) | set(texts["half_b"][:2])  # items 0-2: targets the real word (every 4th does not)
+    _outside_group_run(folder, tmp_path / "base", set())
+    _outside_group_run(folder, tmp_path / "quant", lost)
+    proc = run_qserve_in_process("gate", tmp_path / "base", tmp_path / "quant", "--json")
+    summary = json.loads(proc.stdout)
+    assert proc.returncode == 4, proc.stderr[-2000:]  # inconclusive (exit 4): 5 lost of 80 against 0.95 recovery
+    assert summary["tasks"] == ["halves"]
+    assert summary["groups"]["halves"]["members"] == ["half_a", "half_b"]
+    (gate,) = summary["gates"]
+    assert (gate["task"], gate["metric"], gate["items"], gate["flips"]) == ("halves", "acc,none", 80, {"lost": 5, "gained": 0})
+    assert (gate["baseline"], gate["quantized"]) == (pytest.approx(60 / 80), pytest.approx(55 / 80))
+
+
+def test_run_takes_the_task_folder_and_refuses_a_typo_in_it_before_quantizing(tmp_path: Path) -> None:
+    folder = _group_folder(tmp_path, 5)
+    out = tmp_path / "out"
+    proc = run_qserve_in_process(
+        "run", REPO / "recipes" / "w8a8-int8.yaml", "--tasks", "halvez", "--include-path", folder, "-o", out
+    )
+    assert (proc.returncode, proc.stderr.strip().splitlines()[-1]) == (
+        1,
+        "error: unknown task halvez (closest names lm-eval and qserve know: halves)",
+    )
+    assert not out.exists()

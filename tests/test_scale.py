@@ -381,6 +381,7 @@ def _limit_hits(group: Path) -> int:
 # --- data-parallel calibration ---
 
 
+@pytest.mark.matrix  # make test-matrix (CI runs it after make test): keeps make test within 30 minutes
 @pytest.mark.slow
 @pytest.mark.skipif(
     not native_bfloat16(),

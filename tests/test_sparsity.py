@@ -38,6 +38,7 @@ def test_sparsity_mistakes_are_one_line(change: tuple[str, str], error: str) -> 
     assert error in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.matrix  # make test-matrix (CI runs it after make test): keeps make test within 30 minutes
 @pytest.mark.slow
 def test_every_quantized_layer_is_two_of_four_and_nothing_else_is_pruned(checkpoints, embedded_model_dir: Path) -> None:
     import torch

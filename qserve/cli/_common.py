@@ -48,8 +48,9 @@ TasksOpt = Annotated[
     typer.Option(
         "--tasks",
         "-t",
-        help="Comma-separated tasks: qserve's evals/ (gsm8k_ppl, gsm8k, gsm8k_mc, arc_easy) or any task or tag lm-eval "
-        "knows (arc_challenge, gsm8k_cot_llama, ...). Default: the recipe's gated tasks.",
+        help="Comma-separated tasks: qserve's evals/ (gsm8k_ppl, gsm8k, gsm8k_mc, arc_easy) or any task, tag or group "
+        "lm-eval knows (arc_challenge, gsm8k_cot_llama, mmlu, ...); a group is one gate over its tasks' pooled items. "
+        "Default: the recipe's gated tasks.",
     ),
 ]
 LimitOpt = Annotated[int | None, typer.Option("--limit", "-l", min=1, help="Evaluate only the first N items of each task.")]

@@ -29,8 +29,10 @@ from qserve.cli._common import (
 )
 from qserve.cli.evaluate import (
     ApplyChatTemplateOpt,
+    DatasetsOpt,
     FewshotAsMultiturnOpt,
     GenKwargsOpt,
+    IncludePathOpt,
     NumFewshotOpt,
     SeedOpt,
     SystemInstructionOpt,
@@ -52,6 +54,8 @@ def run(
     limit: LimitOpt = None,
     gate: GateOpt = None,
     parity: ParityOpt = True,
+    include_path: IncludePathOpt = None,
+    datasets: DatasetsOpt = None,
     num_fewshot: NumFewshotOpt = None,
     apply_chat_template: ApplyChatTemplateOpt = None,
     fewshot_as_multiturn: FewshotAsMultiturnOpt = None,
@@ -92,7 +96,16 @@ def run(
     asked = lm_eval_args(num_fewshot, apply_chat_template, fewshot_as_multiturn, system_instruction, gen_kwargs, seed)
     check_before_work(list(ctx.args))  # the serve step's options and environment, before any work
     ensure_port_free(host, port)  # and its port: checked again when the server starts
-    options = EvalOptions(tasks=split(tasks), limit=limit, gates=gates, data_dir=data_dir, check_parity=parity, lm_eval=asked)
+    options = EvalOptions(
+        tasks=split(tasks),
+        limit=limit,
+        gates=gates,
+        data_dir=data_dir,
+        check_parity=parity,
+        include_path=include_path,
+        datasets=datasets,
+        lm_eval=asked,
+    )
     loaded = check_run_before_work(recipe, options)  # and the recipe, its scheme, the eval's tasks, gates, data
     key_args = api_key(key, key_file)
     opened = checkpoint_for(  # opened once: its files are hashed once for eval and serve

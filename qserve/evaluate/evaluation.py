@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -20,9 +20,9 @@ from qserve.engines import vllm as engine
 from qserve.errors import QserveError
 from qserve.evaluate import baselines, fallback, parity
 from qserve.evaluate.lm_eval_run import EngineRun, Subject, Window, prompting, run_fields, run_lm_eval
-from qserve.evaluate.tasks import Task, dataset_copies, datasets_dir, get_tasks, lm_eval_config
+from qserve.evaluate.tasks import Resolved, Task, dataset_copies, datasets_dir, lm_eval_config, resolve_tasks
 from qserve.gate import looks, reports
-from qserve.gate.core import decide_gates
+from qserve.gate.core import Group, decide_gates
 from qserve.gate.decisions import Gate, Status, verdict
 from qserve.gate.lm_eval_args import LmEvalArgs
 from qserve.gate.policy import GateSpec, check_allowance, declared_gates, default_gate
@@ -80,6 +80,7 @@ class _Plan:
     source: tuple[Path, str] | None = None  # Checkpoint.source: read already in this command
     datasets: dict[str, dict] | None = None  # task -> the local dataset copy it read (tasks.dataset_copies)
     lm_eval: LmEvalArgs = LmEvalArgs()  # the command line's over the recipe's, checked
+    groups: dict[str, Group] = field(default_factory=dict)  # lm-eval groups gated over their tasks' pooled items
 
     @property
     def emulated(self) -> bool:
@@ -116,7 +117,7 @@ def evaluate(checkpoint: str | Path | Checkpoint | None = None, options: EvalOpt
     for task in plan.tasks:
         baselines.check_sane(plan.manifest.source_model["id"], task.name, task.metric, base.score(task.name, task.metric)[0])
     look = _look(plan, options)
-    decided = decide_gates(plan.specs, {t.name: t.metric for t in plan.tasks}, base, quant, look["level"])
+    decided = decide_gates(plan.specs, {t.name: t.metric for t in plan.tasks}, base, quant, look["level"], plan.groups)
     final = verdict(decided)
     if "fail" in (parity_result["status"], extra["kv_cache"]["status"]):
         final = Status.FAIL
@@ -205,6 +206,7 @@ def _request(plan: _Plan, options: EvalOptions) -> dict[str, Any]:
     return baselines.stable(
         {
             "tasks": [t.name for t in plan.tasks],
+            **({"groups": {n: asdict(g) for n, g in plan.groups.items()}} if plan.groups else {}),
             "task_configs": {n: baselines.with_data_hashes(c) for n, c in plan.configs.items()},
             "limit": options.limit,
             **({"offset": options.offset} if options.offset else {}),
@@ -229,7 +231,8 @@ def _plan(checkpoint: str | Path | Checkpoint | None, options: EvalOptions) -> _
     if options.verify_key is not None:
         signing.verify(ckpt, options.verify_key)
     flags.check_user_args(ckpt, manifest, {"--kv-cache-dtype": options.kv_cache_dtype})
-    task_defs, specs, configs = plan_tasks(declared_gates(manifest.recipe), options)
+    resolved, specs, configs = plan_tasks(declared_gates(manifest.recipe), options)
+    task_defs = resolved.tasks
     _note_fixed_zero_shot(lm_eval, configs)
     device = detect.detect_device().with_parallel(options.parallel)
     support.check_dtype(manifest, device.kind, device.detail)
@@ -239,7 +242,7 @@ def _plan(checkpoint: str | Path | Checkpoint | None, options: EvalOptions) -> _
             f"vLLM cannot run {manifest.scheme} here ({runnable.evidence}): evaluating through transformers; results are EMULATED"
         )
     copies = dataset_copies(task_defs, configs)
-    return _Plan(ckpt, manifest, task_defs, specs, configs, device, runnable, opened.source, copies, lm_eval)
+    return _Plan(ckpt, manifest, task_defs, specs, configs, device, runnable, opened.source, copies, lm_eval, resolved.groups)
 
 
 def plan_lm_eval(recipe_eval: dict[str, Any] | None, options: EvalOptions) -> LmEvalArgs:
@@ -272,29 +275,35 @@ def same_prompting(quant: dict[str, Any], base: dict[str, Any]) -> dict[str, dic
 
 def plan_tasks(
     recipe_gates: dict[str, list[GateSpec]], options: EvalOptions
-) -> tuple[list[Task], dict[str, list[GateSpec]], dict[str, dict[str, Any]]]:
-    """The tasks an eval runs, each one's gates and lm-eval config: every check that needs no model
-    (task names, --gate against the tasks, allowances the metric can exceed, data files), so that
-    `qserve run` makes them before it quantizes."""
+) -> tuple[Resolved, dict[str, list[GateSpec]], dict[str, dict[str, Any]]]:
+    """The tasks an eval runs (and the groups over them), each gated unit's gates, each task's lm-eval
+    config: every check that needs no model (task names, --gate against the tasks, allowances the metric
+    can exceed, data files), so that `qserve run` makes them before it quantizes. Gated by default: each
+    group and task named; a --gate may also name a task inside a group."""
     gates = options.gates or {}
     datasets = datasets_dir(options.datasets)
-    task_defs = get_tasks(options.tasks or list(recipe_gates) or ["gsm8k"], options.include_path, datasets)
-    _check_gated_tasks(gates, [t.name for t in task_defs])
-    specs = {t.name: gates.get(t.name) or recipe_gates.get(t.name) or default_gate() for t in task_defs}
-    for t in task_defs:
-        for spec in specs[t.name]:
-            check_allowance(t.name, spec, spec.metric or t.metric)
+    resolved = resolve_tasks(options.tasks or list(recipe_gates) or ["gsm8k"], options.include_path, datasets)
+    headlines = {t.name: t.metric for t in resolved.tasks} | {n: g.metric for n, g in resolved.groups.items()}
+    _check_gated_tasks(gates, resolved)
+    units = list(dict.fromkeys(resolved.units + [t for t in gates if t not in resolved.units]))
+    specs = {u: gates.get(u) or recipe_gates.get(u) or default_gate() for u in units}
+    for unit, unit_specs in specs.items():
+        for spec in unit_specs:
+            check_allowance(unit, spec, spec.metric or headlines[unit])
     root = paths.data_dir(options.data_dir)
-    return task_defs, specs, {t.name: lm_eval_config(t, root, datasets) for t in task_defs}
+    return resolved, specs, {t.name: lm_eval_config(t, root, datasets) for t in resolved.tasks}
 
 
-def _check_gated_tasks(gates: dict[str, list[GateSpec]], evaluated: list[str]) -> None:
-    """A --gate must name an evaluated task: a gate on a task that never runs would be silently ignored."""
+def _check_gated_tasks(gates: dict[str, list[GateSpec]], resolved: Resolved) -> None:
+    """A --gate must name an evaluated task or group: a gate on a task that never runs would be silently ignored."""
+    evaluated = {t.name for t in resolved.tasks} | set(resolved.groups)
     stray = [t for t in gates if t not in evaluated]
     if stray:
+        inside = len(evaluated) - len(resolved.units)
         raise QserveError(
-            f"--gate names {', '.join(stray)}, which this eval does not run (tasks: {', '.join(evaluated)}); "
-            f"add it to --tasks or drop the gate"
+            f"--gate names {', '.join(stray)}, which this eval does not run (tasks: {', '.join(resolved.units)}"
+            + (f", and {inside} tasks inside its groups" if inside > 0 else "")
+            + "); add it to --tasks or drop the gate"
         )
 
 
@@ -350,6 +359,7 @@ def _summary(plan: _Plan, base_side: _Baseline, outcome: _Outcome, options: Eval
         "scheme": manifest.scheme,
         "recipe": manifest.recipe.get("name"),
         "tasks": [t.name for t in plan.tasks],
+        "groups": plan.groups or None,
         "limit": options.limit,
         "n_samples": {n: (quant.raw.get("n-samples") or {}).get(n) for n in plan.configs},
         "device": asdict(plan.device),

@@ -17,7 +17,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from qserve import paths
 from qserve.errors import QserveError
+from qserve.gate.core import Group
 from qserve.paths import project_data
+from qserve.progress import info
 
 
 class TaskDef(BaseModel):
@@ -43,6 +45,16 @@ class LmEvalTask:
 Task = TaskDef | LmEvalTask
 
 
+@dataclass(frozen=True)
+class Resolved:
+    """What --tasks names: the leaf tasks lm-eval runs, the groups gated over their pooled items, and the
+    units gated by default (each group and each task named, a tag's tasks)."""
+
+    tasks: list[Task]
+    groups: dict[str, Group]
+    units: list[str]
+
+
 def registry(evals_dir: Path | None = None) -> dict[str, TaskDef]:
     folder = evals_dir or project_data("evals")
     out = {}
@@ -56,25 +68,39 @@ def registry(evals_dir: Path | None = None) -> dict[str, TaskDef]:
 
 
 def get_tasks(names: list[str], include_path: Path | None = None, datasets: Path | None = None) -> list[Task]:
+    """The leaf tasks the names resolve to, in order (resolve_tasks)."""
+    return resolve_tasks(names, include_path, datasets).tasks
+
+
+def resolve_tasks(names: list[str], include_path: Path | None = None, datasets: Path | None = None) -> Resolved:
     """The tasks named, in order: qserve's own eval of that name first, else what lm-eval resolves (a tag
-    gives its tasks). An own eval built on a registered task yields to it when `datasets` holds a copy
-    of its hub dataset: the user brought lm-eval's data, so lm-eval's task reads it."""
+    gives its tasks, a group its leaf tasks and itself). An own eval built on a registered task yields to
+    it when `datasets` holds a copy of its hub dataset: the user brought lm-eval's data, so lm-eval's
+    task reads it."""
     own = registry()
     builds_on = datasets is not None and any(own[n].lm_eval_task for n in names if n in own)
     index = TaskIndex(include_path) if builds_on or any(n not in own for n in names) else None
     out: dict[str, Task] = {}
+    groups: dict[str, Group] = {}
+    units: list[str] = []
     unknown = []
     for name in names:
         if name in own and not _yields(own[name], index, datasets):
             out.setdefault(name, own[name])
+            units.append(name)
         elif index is not None and name in index.entries:
-            out.update((t.name, t) for t in index.resolve(name) if t.name not in out)
+            leaves = index.resolve(name)
+            out.update((t.name, t) for t in leaves if t.name not in out)
+            group = index.group(name, leaves)
+            if group is not None:
+                groups[name] = group
+            units += [name] if group is not None else [t.name for t in leaves]
         else:
             unknown.append(name)
     if unknown:  # then the index was built: an unknown name is not qserve's
         known = sorted(set(index.entries) | set(own))
         raise QserveError("; ".join(_unknown(n, known) for n in unknown))
-    return list(out.values())
+    return Resolved(list(out.values()), groups, list(dict.fromkeys(units)))
 
 
 def _yields(task: TaskDef, index: TaskIndex | None, datasets: Path | None) -> bool:
@@ -103,34 +129,94 @@ class TaskIndex:
 
             self.entries.update(_entries(TaskManager(include_defaults=False, include_path=str(include_path)).task_index))
 
-    def resolve(self, name: str) -> list[LmEvalTask]:
+    def resolve(self, name: str, overrides: dict[str, Any] | None = None) -> list[LmEvalTask]:
+        """The leaf tasks `name` stands for, each config with the overrides a group sets on its members (as
+        lm-eval's TaskFactory builds them: a member's own over its group's)."""
         entry = self.entries[name]
-        if entry["kind"] == "GROUP":
-            members = ", ".join(entry["members"][:3]) + (", ..." if len(entry["members"]) > 3 else "")
-            raise QserveError(
-                f"{name} is an lm-eval group ({len(entry['members'])} members: {members}); groups are not gated yet: "
-                "name its tasks in --tasks instead"
-            )
         if entry["kind"] == "TAG":
-            return [t for member in entry["tags"] if member in self.entries for t in self.resolve(member)]
+            return [t for member in entry["tags"] if member in self.entries for t in self.resolve(member, overrides)]
         if not entry["yaml_path"]:
-            raise QserveError(f"lm-eval task {name} has no YAML config (a Python-only task); qserve runs tasks from YAML")
-        return [_lm_eval_task(name, Path(entry["yaml_path"]))]
+            raise QserveError(
+                f"lm-eval {entry['kind'].lower()} {name} has no YAML config (Python-only); qserve runs tasks from YAML"
+            )
+        if entry["kind"] == "GROUP":
+            return self._leaves(name, _load_yaml("group", name, Path(entry["yaml_path"])), overrides or {})
+        return [_lm_eval_task(name, Path(entry["yaml_path"]), overrides)]
+
+    def group(self, name: str, leaves: list[LmEvalTask]) -> Group | None:
+        """The group gated as one, or None for a tag, a task, or a group lm-eval gives no score of its own
+        (no aggregate_metric_list: its tasks are gated one by one, as lm-eval reports them)."""
+        entry = self.entries[name]
+        if entry["kind"] != "GROUP":
+            return None
+        from lm_eval.config.group import GroupConfig
+
+        raw = _load_yaml("group", name, Path(entry["yaml_path"]))
+        config = GroupConfig(**{k: v for k, v in raw.items() if k in _group_fields()})
+        if not config.aggregate_metric_list:
+            info(f"note: lm-eval's group {name} has no aggregate score: its {len(leaves)} tasks are gated one by one")
+            return None
+        aggregate = []
+        for agg in config.aggregate_metric_list:
+            filters = agg.filter_list or _filters_of(agg.metric, leaves)
+            aggregate += [(f"{agg.metric},{f}", bool(agg.weight_by_size)) for f in filters]
+        return Group(name, tuple(t.name for t in leaves), tuple(aggregate))
+
+    def _leaves(self, name: str, raw: dict[str, Any], overrides: dict[str, Any]) -> list[LmEvalTask]:
+        fields = _group_fields()
+        merged = {k: v for k, v in raw.items() if k not in fields} | overrides
+        members = raw.get("task") or []
+        out: list[LmEvalTask] = []
+        for item in [members] if isinstance(members, (str, dict)) else members:
+            if isinstance(item, str):
+                out += self.resolve(item, merged)
+            elif isinstance(item, dict) and ("group" in item or "task" in item):
+                key = "group" if "group" in item else "task"
+                base, own = item[key], {k: v for k, v in item.items() if k != key}
+                if base in self.entries:
+                    out += self.resolve(base, merged | own)
+                elif key == "group":
+                    out += self._leaves(f"{name}::{base}", item, merged)
+                else:  # an inline task, named under its group as lm-eval names it
+                    cfg = merged | item | {"task": f"{name}::{base}"}
+                    out.append(LmEvalTask(cfg["task"], cfg, headline_metric(cfg), Path(self.entries[name]["yaml_path"] or ".")))
+            else:
+                raise QserveError(f"lm-eval group {name} has a member qserve cannot read: {item!r}")
+        return out
 
 
-def _lm_eval_task(name: str, yaml_path: Path) -> LmEvalTask:
+def _lm_eval_task(name: str, yaml_path: Path, overrides: dict[str, Any] | None = None) -> LmEvalTask:
     """The task's full config as lm-eval's TaskFactory builds it from the YAML (includes merged,
-    `!function` hooks resolved, the index's structural keys dropped)."""
-    from lm_eval.tasks._yaml_loader import load_yaml
-
-    try:
-        cfg = dict(load_yaml(yaml_path, resolve_func=True))
-    except (ImportError, OSError, ValueError, yaml.YAMLError) as exc:  # e.g. a hook's optional dependency is missing
-        raise QserveError(f"lm-eval task {name} cannot be loaded from {yaml_path}: {str(exc).splitlines()[0]}") from None
+    `!function` hooks resolved, a group's overrides applied, the index's structural keys dropped)."""
+    cfg = _load_yaml("task", name, yaml_path) | (overrides or {})
     for key in ("tag", "group", "task_list"):
         cfg.pop(key, None)
     cfg["task"] = name
     return LmEvalTask(name, cfg, headline_metric(cfg), yaml_path)
+
+
+def _load_yaml(kind: str, name: str, yaml_path: Path) -> dict[str, Any]:
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    try:
+        return dict(load_yaml(yaml_path, resolve_func=True))
+    except (ImportError, OSError, ValueError, yaml.YAMLError) as exc:  # e.g. a hook's optional dependency is missing
+        raise QserveError(f"lm-eval {kind} {name} cannot be loaded from {yaml_path}: {str(exc).splitlines()[0]}") from None
+
+
+def _group_fields() -> set[str]:
+    """A group YAML's own keys (lm-eval's GroupConfig); the rest are overrides for its members."""
+    from dataclasses import fields
+
+    from lm_eval.config.group import GroupConfig
+
+    return {f.name for f in fields(GroupConfig)}
+
+
+def _filters_of(metric: str, leaves: list[LmEvalTask]) -> list[str]:
+    """The filter of an aggregate metric that names none: lm-eval then aggregates every filter its tasks
+    report the metric under; the headline takes the filter of the first task whose headline is that metric."""
+    return [next((t.metric.partition(",")[2] for t in leaves if t.metric.partition(",")[0] == metric), "none")]
 
 
 def headline_metric(cfg: dict[str, Any]) -> str:

@@ -4,6 +4,7 @@ same outputs get the same decision whichever command reads them."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 from qserve.errors import QserveError
@@ -29,6 +30,80 @@ class Scores(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Group:
+    """An lm-eval group gated as one: its leaf tasks' items pooled item by item into one paired test,
+    its stated score lm-eval's aggregation of theirs (its `aggregate_metric_list`)."""
+
+    name: str
+    members: tuple[str, ...]  # leaf tasks, in lm-eval's order
+    aggregate: tuple[tuple[str, bool], ...]  # ("<metric>,<filter>", weight_by_size), the first the headline
+
+    @property
+    def metric(self) -> str:
+        return self.aggregate[0][0]
+
+
+class Pooled:
+    """One model's scores (Scores) in which a group's score is its members': the members that report the
+    metric (as lm-eval aggregates), their items keyed `member/doc_id`."""
+
+    def __init__(self, scores: Scores, groups: dict[str, Group]) -> None:
+        self.scores, self.groups = scores, groups
+
+    def higher_is_better(self, task: str, metric: str) -> bool:
+        if task not in self.groups:
+            return self.scores.higher_is_better(task, metric)
+        ways = {self.scores.higher_is_better(m, metric) for m in self._members(task, metric)}
+        if len(ways) != 1:
+            raise QserveError(f"group {task}: its tasks disagree on whether higher {metric} is better")
+        return ways.pop()
+
+    def score(self, task: str, metric: str) -> tuple[float, float | None, ItemValues | None]:
+        if task not in self.groups:
+            return self.scores.score(task, metric)
+        members = self._members(task, metric)
+        items = {f"{m}/{i}": v for m, s in members.items() for i, v in s[2].items()}
+        try:  # lm-eval's own score for the group, where its output has one (a run of the group itself)
+            stated, stderr, _ = self.scores.score(task, metric)
+        except QserveError:
+            stated, stderr = self._aggregate(task, metric, members)
+        return float(stated), stderr, items
+
+    def check_items_add_up(self, task: str, metric: str, scored: tuple[float, float | None, ItemValues | None]) -> None:
+        if task not in self.groups:
+            return self.scores.check_items_add_up(task, metric, scored)
+        for member, own in self._members(task, metric).items():
+            self.scores.check_items_add_up(member, metric, own)
+
+    def _aggregate(self, task: str, metric: str, members: dict) -> tuple[float, float | None]:
+        """The group's score and stderr from its members' as lm-eval aggregates them (its Group.aggregate)."""
+        from lm_eval.api.metrics import aggregate_subtask_metrics, pooled_sample_stderr, unweighted_mean_stderr
+
+        sizes = [len(s[2]) for s in members.values()]
+        by_size = dict(self.groups[task].aggregate).get(metric, True)
+        value = aggregate_subtask_metrics([s[0] for s in members.values()], sizes, by_size)
+        errors = [s[1] for s in members.values()]
+        if None in errors:
+            return value, None
+        return value, pooled_sample_stderr(errors, sizes) if by_size else unweighted_mean_stderr(errors)
+
+    def _members(self, task: str, metric: str) -> dict[str, tuple[float, float | None, ItemValues]]:
+        """Each member's score, stderr and items, for the members that report `metric`."""
+        out = {}
+        for member in self.groups[task].members:
+            try:
+                scored = self.scores.score(member, metric)
+            except QserveError:
+                continue  # lm-eval's aggregation also leaves out members without the metric
+            if scored[2] is None:
+                raise QserveError(f"group {task}: {member} has no per-item values, so its items cannot be pooled")
+            out[member] = scored
+        if not out:
+            raise QserveError(f"group {task}: none of its {len(self.groups[task].members)} tasks reports {metric}")
+        return out
+
+
 def higher_is_better(raw: dict, task: str, metric: str, source: str) -> bool:
     """Which way a metric is better, as lm-eval's results state it (their `higher_is_better`)."""
     value = (raw.get("higher_is_better") or {}).get(task, {}).get(metric.partition(",")[0])
@@ -38,10 +113,18 @@ def higher_is_better(raw: dict, task: str, metric: str, source: str) -> bool:
 
 
 def decide_gates(
-    specs: dict[str, list[GateSpec]], headlines: dict[str, str], base: Scores, quant: Scores, level: float
+    specs: dict[str, list[GateSpec]],
+    headlines: dict[str, str],
+    base: Scores,
+    quant: Scores,
+    level: float,
+    groups: dict[str, Group] | None = None,
 ) -> list[Gate]:
-    """Each task's gates (a spec without a metric gates the task's headline metric) at one-sided `level`."""
+    """Each task's (or group's) gates at one-sided `level`; a spec without a metric gates the headline."""
     decided = []
+    groups = groups or {}
+    headlines = headlines | {name: group.metric for name, group in groups.items()}
+    base, quant = Pooled(base, groups), Pooled(quant, groups)
     for task, task_specs in specs.items():
         for spec in task_specs:
             metric = spec.metric or headlines[task]

@@ -6,7 +6,9 @@ its own date is the run, and each task's items come from the samples file of exa
 date. The two runs must have asked the same question: the same items, few-shot count, task config
 and prompts (lm-eval's task hashes, each sample's doc and prompt hash), and each task's items must
 add up to the score its results file states. The metric's direction comes from lm-eval's own
-`higher_is_better`.
+`higher_is_better`. A group lm-eval ran (its `group_subtasks`) is one gate over its tasks' items pooled,
+its score the one lm-eval states for it; by default each top-level group and each task outside a group
+is gated.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 from qserve.checkpoint.opened import Checkpoint
 from qserve.errors import QserveError
 from qserve.gate import looks, outside, stats
-from qserve.gate.core import decide_gates, higher_is_better
+from qserve.gate.core import Group, decide_gates, higher_is_better
 from qserve.gate.decisions import Gate, verdict
 from qserve.gate.policy import GateSpec, declared_gates, default_gate
 
@@ -45,16 +47,20 @@ def gate_runs(
     if checkpoint is not None:
         outside.check_runs(checkpoint, (base.raw, base.path), (quant.raw, quant.path))
         gates = declared_gates(checkpoint.manifest.recipe) | gates
-    names = tasks or sorted(set(gates) or (set(base.results) & set(quant.results)))
+    names = tasks or sorted(set(gates) or (set(base.units()) & set(quant.units())))
     if not names:
         raise QserveError(f"{baseline} and {quantized} have no task in common")
+    groups = base.groups(names)
+    leaves = {task: list(groups[task].members) if task in groups else [task] for task in names}
     history = _earlier(looks_from, checkpoint)
-    scored = {"tasks": names, "limit": {task: len(base.sample_hashes(task)) for task in names}, "offset": 0}
+    limit = {task: sum(len(base.sample_hashes(leaf)) for leaf in leaves[task]) for task in names}
+    scored = {"tasks": names, "limit": limit, "offset": 0}
     look, new = looks.number(history, scored)
-    for task in names:
-        _same_question(task, base, quant)
+    for leaf in dict.fromkeys(leaf for task in names for leaf in leaves[task]):
+        _same_question(leaf, base, quant)
     specs = {task: gates.get(task) or default_gate() for task in names}
-    decided = decide_gates(specs, {task: base.headline(task) for task in names}, base, quant, looks.level(look))
+    headlines = {task: base.headline(task) for task in names if task not in groups}
+    decided = decide_gates(specs, headlines, base, quant, looks.level(look), groups)
     decided_at, final = datetime.now(UTC).isoformat(timespec="seconds"), verdict(decided)
     entry = scored | {"decided_at": decided_at, "verdict": final, "level": looks.level(look)}
     summary = {
@@ -63,6 +69,7 @@ def gate_runs(
         "decided_at": decided_at,
         "verdict": final,
         "tasks": names,
+        **({"groups": {n: asdict(g) for n, g in groups.items()}} if groups else {}),
         "look": {
             "number": look,
             "level": looks.level(look),
@@ -189,6 +196,34 @@ class _LmEvalRun:
                 f"but {self.path.name} states {stated:.6g}: they are not the items of that result"
             )
 
+    def units(self) -> list[str]:
+        """What is gated by default: each top-level group with a score of its own, each task outside them."""
+        subtasks = self.raw.get("group_subtasks") or {}
+        children = {c for cs in subtasks.values() for c in cs}
+        tops = [g for g in subtasks if g not in children and self._stated(g)]
+        grouped = {leaf for g in tops for leaf in self._leaves(g)}
+        return tops + [t for t in self.results if t not in grouped and t not in subtasks]
+
+    def groups(self, names: list[str]) -> dict[str, Group]:
+        """The named groups this run has, each with its leaf tasks and the metrics lm-eval states for it."""
+        subtasks = self.raw.get("group_subtasks") or {}
+        out = {}
+        for name in names:
+            if name in subtasks:
+                metrics = self._stated(name)
+                if not metrics:
+                    raise QserveError(f"{self.path} gives group {name} no score of its own: gate its tasks")
+                out[name] = Group(name, tuple(self._leaves(name)), tuple((m, True) for m in metrics))
+        return out
+
+    def _leaves(self, group: str) -> list[str]:
+        subtasks = self.raw.get("group_subtasks") or {}
+        return [leaf for c in subtasks.get(group, []) for leaf in (self._leaves(c) if c in subtasks else [c])]
+
+    def _stated(self, group: str) -> list[str]:
+        stated = (self.raw.get("groups") or {}).get(group) or self.results.get(group) or {}
+        return [k for k in stated if "," in k and "_stderr," not in k]
+
     def sample_hashes(self, task: str) -> dict[str, tuple]:
         return {str(s["doc_id"]): (s.get("doc_hash"), s.get("prompt_hash")) for s in self._read_samples(task) if "doc_id" in s}
 
@@ -210,9 +245,10 @@ class _LmEvalRun:
         return float(res[metric]), stderr if isinstance(stderr, (int, float)) else None, self._items(task, metric)
 
     def _task(self, task: str) -> dict[str, Any]:
-        if task not in self.results:
+        found = self.results.get(task) or (self.raw.get("groups") or {}).get(task)  # lm-eval keeps groups apart
+        if found is None:
             raise QserveError(f"{self.path} has no task {task}; it has {', '.join(self.results)}")
-        return self.results[task]
+        return found
 
     def samples_file(self, task: str) -> Path:
         return self.folder / f"samples_{task}_{self.date}.jsonl"

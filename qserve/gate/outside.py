@@ -162,6 +162,7 @@ def record(ckpt: Checkpoint, summary: dict[str, Any], runs: dict[str, OutsideRun
         scheme=ckpt.manifest.scheme,
         recipe=ckpt.manifest.recipe.get("name"),
         tasks=summary["tasks"],
+        groups=summary.get("groups"),
         n_samples={task: n_samples.get(task) for task in summary["tasks"]},
         look=Look(**summary["look"]),
         outside_runs=OutsideRuns(**runs),

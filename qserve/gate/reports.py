@@ -20,7 +20,7 @@ from qserve.paths import write_json, write_text
 
 def write_all(ckpt: Path, manifest: Manifest, record: EvalRecord, raw: dict[str, Any]) -> None:
     write_json(ckpt / LM_EVAL_RESULTS_NAME, raw)
-    write_text(ckpt / REPORT_NAME, markdown_report(record))
+    write_text(ckpt / REPORT_NAME, markdown_report(record, raw))
     write_text(ckpt / CARD_NAME, model_card(ckpt, manifest, record))
     write_eval(ckpt, record)
 
@@ -29,6 +29,10 @@ def format_table(record: EvalRecord) -> str:
     """The terminal view: the gate table, notes for anything not a clean pass, parity, verdict."""
     lines = text_table(gate_rows(record.gates))
     lines += [f"  {g.task} {g.metric}: {_status(g)}: {g.reason}" for g in record.gates]
+    for name, group in (record.groups or {}).items():
+        lines.append(
+            f"  {name}: the items of its {len(group.members)} tasks pooled in one test; each task's scores: {REPORT_NAME}"
+        )
     if record.parity:
         lines.append(f"engine parity: {record.parity.status.upper()}: {record.parity.reason}")
     if _kl_line(record):
@@ -47,8 +51,31 @@ def format_table(record: EvalRecord) -> str:
     return "\n".join(lines)
 
 
-def markdown_report(record: EvalRecord) -> str:
-    return "\n".join(_verdict_section(record) + _parity_section(record) + _kv_section(record) + _setup_section(record))
+def markdown_report(record: EvalRecord, raw: dict[str, Any] | None = None) -> str:
+    sections = _verdict_section(record) + _groups_section(record, raw or {})
+    return "\n".join(sections + _parity_section(record) + _kv_section(record) + _setup_section(record))
+
+
+def _groups_section(record: EvalRecord, raw: dict[str, Any]) -> list[str]:
+    """Each gated group's tasks beside it, with the scores lm-eval gave each (`raw`: both models' outputs)."""
+    out = []
+    for name, group in (record.groups or {}).items():
+        metrics = list(dict.fromkeys(g.metric for g in record.gates if g.task == name)) or [group.metric]
+        rows = [("task", "metric", "n", "baseline", "quantized")]
+        for member in group.members:
+            for metric in metrics:
+                scores = [
+                    (raw.get(side, {}).get("results", {}).get(member) or {}).get(metric) for side in ("baseline", "quantized")
+                ]
+                n = ((raw.get("quantized", {}).get("n-samples") or {}).get(member) or {}).get("effective")
+                rows.append((member, metric, str(n or "?"), *("n/a" if v is None else f"{v:.4f}" for v in scores)))
+        out += [f"## {name}: its {len(group.members)} tasks", ""]
+        out += [
+            "The gate above pools their items into one paired test; the group's score is lm-eval's aggregation of theirs.",
+            "",
+        ]
+        out += md_table(rows) + [""]
+    return out
 
 
 def _verdict_section(record: EvalRecord) -> list[str]:

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from qserve.gate.core import Group
 from qserve.gate.decisions import Gate, Status
 
 EVAL_SCHEMA_VERSION = 1
@@ -159,6 +160,7 @@ class EvalRecord(BaseModel):
     scheme: str | None = None
     recipe: str | None = None
     tasks: list[str] | None = None
+    groups: dict[str, Group] | None = None  # lm-eval groups gated over their tasks' pooled items
     limit: int | None = None
     offset: int = 0
     n_samples: dict[str, dict[str, int] | None] | None = None

@@ -23,15 +23,19 @@ if TYPE_CHECKING:
     from qserve.quantize.recipe import Recipe
 
 
-def quantize_logged(recipe: Path, options: QuantizeOptions | None = None, verbose: bool = False) -> Path:
-    """`qserve quantize`: the libraries' output goes to CKPT/logs/quantize.log (the cache's logs/ on failure)."""
+def quantize_logged(
+    recipe: Path, options: QuantizeOptions | None = None, verbose: bool = False, gates_checked: bool = False
+) -> Path:
+    """`qserve quantize`: the libraries' output goes to CKPT/logs/quantize.log (the cache's logs/ on failure).
+    `gates_checked`: the caller resolved the recipe's gated tasks already (`qserve run`, with its task folder)."""
     from qserve.evaluate.tasks import get_tasks
     from qserve.quantize.pipeline import quantize
     from qserve.quantize.recipe import load_recipe
 
     log = paths.pending_log("quantize", os.getpid())
     with library_output(log, verbose):
-        get_tasks(list(load_recipe(recipe)[0].gates))  # a gate on a task that does not exist, before any work
+        if not gates_checked:
+            get_tasks(list(load_recipe(recipe)[0].gates))  # a gate on a task that does not exist, before any work
         result = quantize(recipe, options)
     paths.keep_log(log, result.output, "quantize")
     return result.output
@@ -59,10 +63,11 @@ def checkpoint_for(
 ) -> Checkpoint:
     """`qserve run`'s first step: the recipe's checkpoint, reused when it is still what this recipe,
     model, data and library versions would make, quantized (replacing a stale one) otherwise; opened
-    once, for the steps after it. `loaded`: the recipe as check_run_before_work parsed it."""
+    once, for the steps after it. `loaded`: the recipe as check_run_before_work parsed it (its gates checked)."""
     from qserve.quantize.pipeline import QuantizeOptions, default_output
     from qserve.quantize.recipe import load_recipe
 
+    checked = loaded is not None
     loaded = loaded or load_recipe(recipe)
     out = Path(output) if output else default_output(loaded[0])
     found = reusable_checkpoint(out, recipe, model, data_dir, trust_remote_code, loaded)
@@ -72,7 +77,7 @@ def checkpoint_for(
         return found
     info(f"quantizing: {found}")
     options = QuantizeOptions(model, out, data_dir, force=out.exists(), trust_remote_code=trust_remote_code)
-    made = quantize_logged(recipe, options, verbose)
+    made = quantize_logged(recipe, options, verbose, gates_checked=checked)
     # Its manifest was just written from the bytes quantize hashed: opened without reading them again.
     manifest = read_manifest(made)
     return Checkpoint(made, manifest, manifest_digest(made), _source(manifest))
