@@ -89,6 +89,51 @@ def test_gate_on_0_1_items_reports_flips_and_is_inconclusive_when_too_close(tmp_
     assert gate["reason"].startswith("degradation 0.025 vs allowed 0.03: too close to call")
 
 
+def _instruction_run(root: Path, name: str, followed: list[list[bool]]) -> Path:
+    """An IFEval-like run: each item logs one value per instruction; the stated score is their mean over
+    all of them (lm-eval's agg_inst_level_acc flattens the lists)."""
+    folder = root / name / "org__model"
+    folder.mkdir(parents=True)
+    flat = [x for item in followed for x in item]
+    results = {
+        "results": {"inst_task": {"alias": "inst_task", "inst_level_loose_acc,none": sum(flat) / len(flat)}},
+        "higher_is_better": {"inst_task": {"inst_level_loose_acc": True}},
+    }
+    (folder / "results_2026-11-24T10-00-00.json").write_text(json.dumps(results))
+    lines = [{"doc_id": i, "filter": "none", "inst_level_loose_acc": v} for i, v in enumerate(followed)]
+    (folder / "samples_inst_task_2026-11-24T10-00-00.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return root / name
+
+
+def test_a_metric_with_several_values_per_item_is_gated_per_item_as_a_ratio(tmp_path: Path) -> None:
+    """Instruction-level accuracy: items are prompts with 1-3 instructions each; the gate's degradation is
+    the change of the mean over all instructions, and its bound the ratio estimator's over the prompts
+    (recomputed here from the definition: per prompt, instructions followed minus the rate times its count)."""
+    rng = random.Random(1)
+    base = [[rng.random() < 0.8 for _ in range(rng.randint(1, 3))] for _ in range(300)]
+    quant = [[x != (rng.random() < 0.1) for x in item] for item in base]  # 10 % of instructions flip, either way
+    proc = run_qserve_in_process(
+        "gate",
+        _instruction_run(tmp_path, "b", base),
+        _instruction_run(tmp_path, "q", quant),
+        "--gate",
+        "inst_task:max_drop=0.1",
+        "--json",
+    )
+    (gate,) = json.loads(proc.stdout)["gates"]
+    c_b, c_q = (np.array([sum(v) for v in side], dtype=float) for side in (base, quant))
+    n = np.array([len(v) for v in base], dtype=float)
+    rate_b, rate_q = c_b.sum() / n.sum(), c_q.sum() / n.sum()
+    assert (gate["items"], gate["baseline"], gate["quantized"]) == (300, pytest.approx(rate_b), pytest.approx(rate_q))
+    assert gate["degradation"] == pytest.approx(rate_b - rate_q, abs=1e-12)
+    e = ((c_b - rate_b * n) - (c_q - rate_q * n)) / n.mean()  # per prompt, the degradation's linearized term
+    se = math.sqrt((e**2).sum() / (len(e) - 1) / len(e))
+    centre = rate_b - rate_q + (e**3).mean() / (6 * (e**2).mean() * len(e))
+    t_crit = t_dist.ppf(1 - 0.05 * 6 / math.pi**2, len(e) - 1)  # a first look
+    assert gate["bounds"]["upper"] == pytest.approx(centre + (t_crit + 0.3 * t_crit**2) * se, abs=1e-12)
+    assert (proc.returncode, gate["status"]) == (0, "pass")
+
+
 def test_gate_refuses_runs_on_different_items_and_runs_without_samples(tmp_path: Path) -> None:
     b, q, *_ = _pair(tmp_path)
     samples = next(q.rglob("samples_ppl_task_*.jsonl"))

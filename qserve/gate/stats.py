@@ -7,7 +7,9 @@ tests/test_gate_levels.py proves each bound by simulation (`qserve gate-levels` 
 - 0/1 items (exact_match, acc, acc_norm): the exact unconditional score test on the counts of items
   the quantized model lost and gained (paired_binary.py), decided at the gate's allowance. Only the
   discordant items move it, and it holds its level at any n, zero discordant items included.
-- corpus-level metrics (word/byte perplexity, bits per byte: a ratio of sums over documents) and
+- corpus-level metrics (word/byte perplexity, bits per byte: a ratio of sums over documents; and a
+  metric with several values per item, IFEval's instruction-level accuracy, whose mean over all values
+  is the ratio of the items' sums to their counts, so its items are documents here too) and
   other per-item means: a bound on the estimate's linearized per-document terms (the delta method for
   a ratio estimator, Cochran, Sampling Techniques, 1977, 6.4; for a mean the terms are the centred
   differences), centred with Johnson's (1978, JASA 73) skewness correction m3 / (6 m2 n). Student t
@@ -44,6 +46,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from qserve.errors import QserveError
 from qserve.gate.decisions import Bounds, Comparison
 from qserve.gate.spending import ALPHA, min_items
 
@@ -76,7 +79,16 @@ def item_values(samples: list[dict], metric_key: str) -> ItemValues:
 def aggregate(metric: str, values: list) -> float:
     if metric in WEIGHTED:
         return WEIGHTED[metric](sum(v[0] for v in values), sum(v[1] for v in values))
+    if values and all(isinstance(v, list) for v in values):  # several values per item: lm-eval flattens them
+        flat = [x for v in values for x in v]
+        return sum(flat) / len(flat)
     return sum(values) / len(values)
+
+
+def several_per_item(metric: str, values: list) -> bool:
+    """A metric that logs several values per item (IFEval's instruction-level accuracy: one per
+    instruction) and states their mean over all of them: a ratio of per-item sums to per-item counts."""
+    return metric not in WEIGHTED and bool(values) and all(isinstance(v, list) for v in values)
 
 
 def compare(
@@ -98,6 +110,12 @@ def compare(
     if not all(_finite(v) for v in b + q):
         cmp.non_finite = True  # the gate fails on it with a line, never a traceback
         return cmp
+    if several_per_item(metric, b + q):
+        if any(not x or len(x) != len(y) for x, y in zip(b, q)):
+            raise QserveError(f"{metric_key}: an item has no values, or other counts of values on the two models")
+        # As a ratio of sums, as perplexities are: [-(sum of values), count] per item (their rate is the mean).
+        b, q = ([[-sum(v), float(len(v))] for v in side] for side in (b, q))
+        return _weighted(cmp, metric, b, q, alpha) if len(ids) >= 2 else cmp
     if metric in WEIGHTED:
         return _weighted(cmp, metric, b, q, alpha) if len(ids) >= 2 else cmp
     if not ids or not all(isinstance(v, float) for v in b + q):
