@@ -37,3 +37,19 @@ def test_a_benchmark_too_small_for_a_gate_rarely_passes_it() -> None:
     )
     counts = np.random.default_rng(7).multinomial(541, [0.1, 0.1, 0.8], size=DRAWS)
     assert float(np.mean(paired_binary.passes(counts[:, 0], counts[:, 1], 541, 0.01, looks.level(1)))) < 0.2
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "recipes" / "gpu").glob("*.yaml")), ids=lambda p: p.stem)
+def test_a_gpu_example_recipe_gates_what_its_benchmarks_can_decide(path: Path) -> None:
+    """The shipped GPU example parses, lm-eval resolves every task it gates (mmlu as its group), and each
+    0/1 gate's allowance is one its benchmark holds the items to pass at 5 % of items flipping each way."""
+    from qserve.evaluate.tasks import resolve_tasks
+    from qserve.quantize.recipe import load_recipe
+
+    recipe, _ = load_recipe(path)
+    resolved = resolve_tasks(list(recipe.gates))
+    assert resolved.units == list(recipe.gates) and set(resolved.groups) == {"mmlu"}
+    sizes = {name.split(" ")[0]: n for name, n in power.BENCHMARKS.items()}
+    for task, specs in recipe.gates.items():
+        for spec in specs:
+            assert spec.max_drop is not None and sizes[task] >= power.items_needed(0.05, spec.max_drop), (task, spec)
