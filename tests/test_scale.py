@@ -450,3 +450,27 @@ def test_parallel_options_reach_the_engine_keywords() -> None:
     assert (kw["tensor_parallel_size"], kw["pipeline_parallel_size"], kw["distributed_executor_backend"]) == (8, 2, "ray")
     assert "data_parallel_size" not in kw
     assert parallel_args(1, 1, 4, None) == {"data_parallel_size": 4}
+
+
+def test_cpu_workers_get_a_share_of_the_cores_each_and_a_pipeline_runs_compiled(monkeypatch) -> None:
+    """vLLM-CPU binds a worker per NUMA node and refuses more workers than nodes ("Not enough allowed NUMA
+    nodes to bind threads of 2 local CPUWorkers"): qserve gives each worker its share of the cores. vLLM
+    0.32's eager CPU runner fails a pipeline's later stage on its first step, so a pipeline runs compiled."""
+    from qserve.checkpoint.manifest import VllmArgs
+    from qserve.device.detect import Device
+    from qserve.engines import vllm as engine
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(engine, "numa_nodes", lambda: 1)
+    assert (engine.cpu_binding(1), engine.cpu_binding(2), engine.cpu_binding(4)) == (None, "0,1|2,3", "0|1|2|3")
+    with pytest.raises(
+        QserveError, match=r"^8 vLLM CPU workers \(tensor x pipeline parallel\) need 8 cores; this process has 4$"
+    ):
+        engine.cpu_binding(8)
+    monkeypatch.setattr(engine, "numa_nodes", lambda: 2)
+    assert engine.cpu_binding(2) is None  # a node each: vLLM's own binding
+    args = VllmArgs(quantization=None, kv_cache_dtype="auto", dtype="bfloat16")
+    tp, pp = (Device("cpu", "x").with_parallel({key: 2}) for key in ("tensor_parallel_size", "pipeline_parallel_size"))
+    assert engine.engine_kwargs(Path("/m"), args, tp)["enforce_eager"] is True
+    assert "enforce_eager" not in engine.engine_kwargs(Path("/m"), args, pp)
+    assert engine.engine_kwargs(Path("/m"), args, pp)["distributed_executor_backend"] == "mp"

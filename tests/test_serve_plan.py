@@ -53,6 +53,21 @@ def test_scale_out_flags_pass_through_on_gpu(tmp_path: Path) -> None:
     assert p.url == "http://0.0.0.0:9000"
 
 
+def test_two_cpu_workers_are_bound_a_core_share_each_and_a_pipeline_served_compiled(tmp_path: Path, monkeypatch) -> None:
+    """As the eval engine runs them (engines/vllm.py: cpu_binding, engine_kwargs): on a one-node CPU each worker
+    gets its share of the cores; a pipeline is served without --enforce-eager, tensor parallel keeps it."""
+    from qserve.engines import vllm as engine
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(engine, "numa_nodes", lambda: 1)
+    tp = plan(tmp_path / "ck", manifest(), CPU, Endpoint(), extra_args=["--tensor-parallel-size", "2"])
+    pp = plan(tmp_path / "ck", manifest(), CPU, Endpoint(), extra_args=["--pipeline-parallel-size", "2"])
+    one = plan(tmp_path / "ck", manifest(), CPU, Endpoint())
+    assert tp.env["VLLM_CPU_OMP_THREADS_BIND"] == pp.env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in one.env
+    assert ("--enforce-eager" in flags(tp.command), "--enforce-eager" in flags(pp.command)) == (True, False)
+
+
 def test_user_overrides_qserve_defaults_once(tmp_path: Path) -> None:
     p = plan(tmp_path / "ck", manifest(), CPU, Endpoint(), extra_args=["--max-model-len", "4096", "--served-model-name", "m"])
     assert p.command.count("--max-model-len") == 1 and flags(p.command)["--max-model-len"] == "4096"

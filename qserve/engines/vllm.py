@@ -48,9 +48,40 @@ def engine_kwargs(model_path: Path, args: VllmArgs, device: Device) -> dict[str,
         # class takes 4096): the serving engine's step, and smaller activations stay in cache.
         kw["max_num_batched_tokens"] = MAX_MODEL_LEN
     parallel = dict(device.parallel)
-    if parallel.get("tensor_parallel_size", 1) * parallel.get("pipeline_parallel_size", 1) > 1:
+    if world_size(device) > 1:
         kw["distributed_executor_backend"] = "mp"  # several workers: the in-process executor holds one
+    if device.kind == "cpu" and parallel.get("pipeline_parallel_size", 1) > 1:
+        # vLLM 0.32's CPU runner allocates a pipeline stage's intermediate tensors only when it compiles:
+        # eager, a later stage fails its first step (AssertionError in sync_and_gather_intermediate_tensors).
+        kw.pop("enforce_eager")
     return kw | parallel
+
+
+def world_size(device: Device) -> int:
+    """vLLM workers per engine: tensor x pipeline parallel."""
+    parallel = dict(device.parallel)
+    return int(parallel.get("tensor_parallel_size", 1)) * int(parallel.get("pipeline_parallel_size", 1))
+
+
+def numa_nodes() -> int:
+    return len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))) or 1
+
+
+def cpu_binding(workers: int) -> str | None:
+    """VLLM_CPU_OMP_THREADS_BIND for `workers` CPU workers where vLLM's own (one NUMA node per worker)
+    cannot place them: this process's cores split in contiguous shares, one per worker ("0|1" on 2 cores).
+    None where one worker, or enough NUMA nodes."""
+    if workers <= 1 or numa_nodes() >= workers:
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < workers:
+        from qserve.errors import QserveError
+
+        raise QserveError(
+            f"{workers} vLLM CPU workers (tensor x pipeline parallel) need {workers} cores; this process has {len(cores)}"
+        )
+    share = len(cores) // workers
+    return "|".join(",".join(map(str, cores[i * share : (i + 1) * share])) for i in range(workers))
 
 
 def engine_env(device: Device) -> dict[str, str]:
@@ -66,6 +97,9 @@ def engine_env(device: Device) -> dict[str, str]:
     if device.kind == "cpu":
         # vLLM-CPU reserves one core by default; on small machines all cores serve.
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+        binding = cpu_binding(world_size(device))
+        if binding is not None:  # vLLM binds a worker per NUMA node and refuses more workers than nodes
+            env["VLLM_CPU_OMP_THREADS_BIND"] = binding
     return env
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from qserve import STARTUP_ENVIRONMENT
 from qserve.checkpoint.manifest import Manifest
@@ -104,11 +105,26 @@ def plan(
     planned = [str(model_dir)] + [t for flag, value in options for t in ([flag] if value is None else [flag, value])]
     changed = flags.check_serve_args(manifest, planned, tokens) if tokens else {}
     kept = [(f, v) for f, v in options if OVERRIDABLE.get(f) not in changed]
+    if device.kind == "cpu":
+        kept, env = _cpu_workers(kept, env, device, changed)
     cmd = [*SERVER_INTERPRETER, "serve", str(model_dir)]
     cmd += [t for flag, value in kept for t in ([flag] if value is None else [flag, value])] + tokens
     names = changed.get("served_model_name") or [ckpt.resolve().name]
     scheme = "https" if changed.get("ssl_certfile") else "http"
     return ServePlan(cmd, env, f"{scheme}://{endpoint.url}", str(names[0]), log_file(ckpt, "serve"), endpoint.api_key)
+
+
+def _cpu_workers(
+    options: list[tuple[str, str | None]], env: dict[str, str], device: detect.Device, changed: dict[str, Any]
+) -> tuple[list[tuple[str, str | None]], dict[str, str]]:
+    """Tensor or pipeline parallel given after `--` on a CPU: the workers' cores bound as the eval engine's
+    are (engine.engine_env), and a pipeline served compiled, as the eval engine runs it (engine.engine_kwargs)."""
+    layout = {k: changed[k] for k in ("tensor_parallel_size", "pipeline_parallel_size") if k in changed}
+    served = device.with_parallel(layout)
+    env = {k: v for k, v in engine.engine_env(served).items() if k not in env} | env
+    if int(layout.get("pipeline_parallel_size", 1)) > 1:
+        options = [(f, v) for f, v in options if f != "--enforce-eager"]
+    return options, env
 
 
 def _options(
