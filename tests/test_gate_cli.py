@@ -202,6 +202,27 @@ def test_gate_refuses_runs_that_asked_another_question(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("field", "base", "quant"),
+    [
+        ("chat_template_sha", {"chat_template_sha": "a1"}, {"chat_template_sha": "b2"}),
+        ("fewshot_as_multiturn", {"fewshot_as_multiturn": True}, {"fewshot_as_multiturn": False}),
+        ("gen_kwargs", {"config": {"gen_kwargs": {"max_gen_toks": 256}}}, {"config": {"gen_kwargs": None}}),
+    ],
+)
+def test_gate_refuses_runs_made_with_other_lm_eval_options(tmp_path: Path, field: str, base: dict, quant: dict) -> None:
+    b, q, *_ = _pair(tmp_path)
+    _edit(_results(b), **base)
+    _edit(_results(q), **quant)
+    proc = run_qserve_in_process("gate", b, q, "--tasks", "qa_task")
+    assert (proc.returncode, proc.stderr.strip()) == (
+        1,
+        f"error: the runs were made with other lm-eval options ({field} differ in results_2026-11-24T10-00-00.json and "
+        "results_2026-11-24T10-00-00.json): run both with the same --apply_chat_template, --system_instruction, "
+        "--fewshot_as_multiturn and --gen_kwargs",
+    )
+
+
 def test_gate_refuses_items_that_do_not_add_up_to_their_stated_score(tmp_path: Path) -> None:
     """A results file saying 60 % beside items that score 30 % is another run's items, or an edit."""
     b, q, *_ = _pair(tmp_path)

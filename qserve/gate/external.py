@@ -56,6 +56,7 @@ def gate_runs(
     limit = {task: sum(len(base.sample_hashes(leaf)) for leaf in leaves[task]) for task in names}
     scored = {"tasks": names, "limit": limit, "offset": 0}
     look, new = looks.number(history, scored)
+    _same_prompting(base, quant)
     for leaf in dict.fromkeys(leaf for task in names for leaf in leaves[task]):
         _same_question(leaf, base, quant)
     specs = {task: gates.get(task) or default_gate() for task in names}
@@ -147,6 +148,27 @@ def _same_question(task: str, base: _LmEvalRun, quant: _LmEvalRun) -> None:
         raise QserveError(
             f"{task}: {len(differ)} items have other documents or prompts in the two runs (doc_hash / prompt_hash, "
             f"first doc_id {differ[0]}); run both with the same task, --num_fewshot and data"
+        )
+
+
+# How lm-eval prompted and generated, as its results file records it for the whole run (its tracker's fields,
+# and `config`'s generation settings): the prompt hashes see a template, not a generation budget.
+PROMPTING = ("chat_template_sha", "system_instruction_sha", "fewshot_as_multiturn")
+
+
+def _same_prompting(base: _LmEvalRun, quant: _LmEvalRun) -> None:
+    """Refuse two runs made with other lm-eval options: chat template, system instruction, few-shot turns,
+    generation settings."""
+    sides = [
+        {k: run.raw.get(k) for k in PROMPTING} | {"gen_kwargs": (run.raw.get("config") or {}).get("gen_kwargs")}
+        for run in (base, quant)
+    ]
+    differ = [k for k in sides[0] if sides[0][k] != sides[1][k]]
+    if differ:
+        raise QserveError(
+            f"the runs were made with other lm-eval options ({', '.join(differ)} differ in {base.path.name} and "
+            f"{quant.path.name}): run both with the same --apply_chat_template, --system_instruction, "
+            "--fewshot_as_multiturn and --gen_kwargs"
         )
 
 
