@@ -193,6 +193,24 @@ def _group_folder(tmp_path: Path, per_task: int) -> Path:
     return folder
 
 
+def test_inline_groups_and_tasks_are_named_under_their_group_as_lm_eval_names_them(tmp_path: Path) -> None:
+    """A group YAML may define a subgroup and a task inline (lm-eval's TaskFactory names them
+    `outer::inner` and `outer::inner::task`); the group's own settings reach its tasks, theirs win."""
+    folder = _group_folder(tmp_path, 5)
+    inline = {"task": "inline_half", **yaml.safe_load((folder / "half_a.yaml").read_text())} | {"num_fewshot": 2}
+    inline["task"] = "inline_half"
+    outer = {
+        "group": "outer",
+        "task": ["half_b", {"group": "inner", "task": [inline]}],
+        "num_fewshot": 1,
+        "aggregate_metric_list": [{"metric": "acc"}],
+    }
+    (folder / "_outer.yaml").write_text(yaml.safe_dump(outer))
+    resolved = resolve_tasks(["outer"], include_path=folder)
+    assert [(t.name, t.config["num_fewshot"]) for t in resolved.tasks] == [("half_b", 1), ("outer::inner::inline_half", 2)]
+    assert resolved.groups["outer"].members == ("half_b", "outer::inner::inline_half")
+
+
 def test_a_group_in_a_task_folder_is_one_gate_over_its_tasks_pooled_items(passed_eval, tmp_path: Path) -> None:
     """`--tasks halves` runs both tasks on both models and gates once, over the 2 x 100 items; the stated
     scores are lm-eval's per-task scores weighted by their items, read here from lm-eval's results."""

@@ -140,7 +140,8 @@ class TaskIndex:
                 f"lm-eval {entry['kind'].lower()} {name} has no YAML config (Python-only); qserve runs tasks from YAML"
             )
         if entry["kind"] == "GROUP":
-            return self._leaves(name, _load_yaml("group", name, Path(entry["yaml_path"])), overrides or {})
+            path = Path(entry["yaml_path"])
+            return self._leaves(name, _load_yaml("group", name, path), overrides or {}, path)
         return [_lm_eval_task(name, Path(entry["yaml_path"]), overrides)]
 
     def group(self, name: str, leaves: list[LmEvalTask]) -> Group | None:
@@ -162,7 +163,8 @@ class TaskIndex:
             aggregate += [(f"{agg.metric},{f}", bool(agg.weight_by_size)) for f in filters]
         return Group(name, tuple(t.name for t in leaves), tuple(aggregate))
 
-    def _leaves(self, name: str, raw: dict[str, Any], overrides: dict[str, Any]) -> list[LmEvalTask]:
+    def _leaves(self, name: str, raw: dict[str, Any], overrides: dict[str, Any], source: Path) -> list[LmEvalTask]:
+        """A group's leaf tasks (`raw`: its YAML, `source`: the file it is in)."""
         fields = _group_fields()
         merged = {k: v for k, v in raw.items() if k not in fields} | overrides
         members = raw.get("task") or []
@@ -176,10 +178,10 @@ class TaskIndex:
                 if base in self.entries:
                     out += self.resolve(base, merged | own)
                 elif key == "group":
-                    out += self._leaves(f"{name}::{base}", item, merged)
+                    out += self._leaves(f"{name}::{base}", item, merged, source)
                 else:  # an inline task, named under its group as lm-eval names it
                     cfg = merged | item | {"task": f"{name}::{base}"}
-                    out.append(LmEvalTask(cfg["task"], cfg, headline_metric(cfg), Path(self.entries[name]["yaml_path"] or ".")))
+                    out.append(LmEvalTask(cfg["task"], cfg, headline_metric(cfg), source))
             else:
                 raise QserveError(f"lm-eval group {name} has a member qserve cannot read: {item!r}")
         return out
