@@ -11,14 +11,25 @@ RECIPE ?= recipes/w8a8-int8.yaml
 TASKS ?= gsm8k_ppl
 LIMIT ?= 100
 
-.PHONY: setup demo test test-matrix test-fast matrix docs benchmarks lint
+# DEVICE=cuda on an NVIDIA machine (docs/install.md): `make setup DEVICE=cuda` installs vLLM's CUDA wheel
+# with the dev group and the project's overrides in place of the CPU lock (.ci/cuda-setup), and every
+# target below then runs on that environment as it is, never re-syncing the CPU lock over it.
+DEVICE ?= cpu
+
+.PHONY: setup setup-cpu setup-cuda demo test test-matrix test-fast matrix docs benchmarks lint
 
 # Each target below runs `setup` first; `uv run --no-sync` then uses that environment as it is (uv run
 # would sync again, and recheck the bytecode of every installed file).
 
-setup:
+setup: setup-$(DEVICE)
+
+setup-cpu:
 	@$(UV) --version >/dev/null 2>&1 || python3 -m pip install --user --quiet uv
 	$(UV) sync --locked --extra cpu --quiet
+
+setup-cuda:
+	@$(UV) --version >/dev/null 2>&1 || python3 -m pip install --user --quiet uv
+	python3 .ci/cuda-setup "$(UV)"
 
 # quantize -> eval (gates) -> serve, on the embedded SmolLM2-135M-Instruct, offline; a second
 # `make demo` reuses the checkpoint and its gate and goes straight to serving.
