@@ -44,9 +44,10 @@ test: setup
 # tests/test_tune.py: the shipped tuned recipe; tests/test_real_weights.py: Gemma 3 through the demo;
 # tests/test_gate_levels.py: the level of later looks, on four times the draws; tests/test_quantize.py: the
 # tuned recipe re-run through raw llm-compressor; tests/test_gate_outside_runs.py: real lm-eval runs made
-# outside and gated with --checkpoint; and, to keep make test within 30 minutes, four confirmations of what
-# make test covers otherwise: compare's shared baseline, the all-patches-off eval, the 2:4 sparsity layout,
-# two-process GPTQ);
+# outside and gated with --checkpoint; tests/test_parallel.py: tensor and pipeline parallel on two CPU
+# processes; tests/test_install.py: the GPU install's set from PyPI; and, to keep make test within 30
+# minutes: compare's shared baseline, the all-patches-off eval, the 2:4 sparsity recipe's tests, two-process
+# GPTQ, quantizing a model larger than the memory limit);
 # .ci/run runs it after make test.
 test-matrix: setup
 	$(UV) run --no-sync pytest -ra --durations=10 -m matrix

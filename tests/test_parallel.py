@@ -69,16 +69,24 @@ def test_a_parallel_eval_decides_as_one_process_does(decided, layout: str) -> No
     assert record["kv_cache"]["status"] == "skipped"  # the readout ran across the workers: FP8 weights, KV auto
 
 
-def test_a_server_with_two_tensor_parallel_workers_answers_as_one_process_generates(split_checkpoint: Path) -> None:
+def test_a_server_with_two_tensor_parallel_workers_answers_as_the_eval_engine_with_that_layout(
+    split_checkpoint: Path, monkeypatch
+) -> None:
+    """The served greedy text equals what qserve's eval engine with the same two workers generates (the same
+    kernels and the same order of the all-reduce's sums). Not the one-process engine's: on this random model
+    the two agreed on the first 4 of 8 tokens, then a near-tie went the other way (CI, 2026-12-03)."""
     from vllm import SamplingParams
 
     from qserve.checkpoint.manifest import read_manifest
     from qserve.device import detect
     from qserve.engines import vllm as engine
 
-    prompt = "The capital of France is"
-    with engine.open_engine(split_checkpoint, read_manifest(split_checkpoint).vllm_args, detect.detect_device(), "one") as lm:
-        expected = lm.model.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)[0].outputs[0].text
+    device = detect.detect_device().with_parallel({"tensor_parallel_size": 2})
+    for key, value in engine.engine_env(device).items():
+        monkeypatch.setenv(key, value)  # the engine's worker binding, undone after this test
+    prompt, params = "The capital of France is", SamplingParams(temperature=0.0, max_tokens=8)
+    with engine.open_engine(split_checkpoint, read_manifest(split_checkpoint).vllm_args, device, "two workers") as lm:
+        expected = lm.model.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
     server = Server(split_checkpoint, "--skip-gate", "--", "--tensor-parallel-size", "2")
     try:
         assert server.ready_line.startswith(f"serving {split_checkpoint.name} at "), server.steps()[-3000:]

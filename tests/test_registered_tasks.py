@@ -217,8 +217,11 @@ def test_a_group_in_a_task_folder_is_one_gate_over_its_tasks_pooled_items(passed
     per_task = 100
     folder = _group_folder(tmp_path, per_task)
     ckpt = copy_checkpoint(passed_eval[0], tmp_path / "ckpt")
-    proc = run_qserve_in_process("eval", ckpt, "--tasks", "halves", "--include-path", folder, "--no-parity", "--json")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # An allowance of 10 points: this checkpoint's weights have had earlier looks in the session (the
+    # demo, other tests), and a later look spends less level (looks.py); the subject here is the pooling.
+    args = ("--tasks", "halves", "--include-path", folder, "--gate", "halves:max_drop=0.1", "--no-parity", "--json")
+    proc = run_qserve_in_process("eval", ckpt, *args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     record = json.loads(proc.stdout)
     raw = json.loads((ckpt / LM_EVAL_RESULTS_NAME).read_text())
     assert record["tasks"] == ["half_a", "half_b"]

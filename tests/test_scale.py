@@ -238,6 +238,7 @@ def _quantize_in(group: Path, recipe: Path, model: Path, out: Path) -> subproces
     return subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=1200, cwd=REPO)
 
 
+@pytest.mark.matrix  # make test-matrix (CI runs it after make test): keeps make test within 30 minutes
 @pytest.mark.slow
 @needs_vllm("w4a16-gptq")  # each ends by running its W4A16 checkpoint in vLLM
 def test_a_model_larger_than_the_memory_limit_is_quantized_shard_by_shard(large_model, tmp_path: Path) -> None:
@@ -325,6 +326,7 @@ def model_over_the_offload_limit(tmp_path_factory, embedded_model_dir: Path) -> 
     return path, _write_synthetic_llama(path, embedded_model_dir, 2048, 4096, 14)
 
 
+@pytest.mark.matrix  # make test-matrix (CI runs it after make test): keeps make test within 30 minutes
 @pytest.mark.slow
 @needs_vllm("w4a16-gptq")  # each ends by running its W4A16 checkpoint in vLLM
 def test_a_calibrated_model_larger_than_the_memory_limit_is_offloaded_to_disk(

@@ -70,6 +70,7 @@ def test_every_quantized_layer_is_two_of_four_and_nothing_else_is_pruned(checkpo
     assert not json.loads((ckpt / "config.json").read_text())["quantization_config"].get("sparsity_config")
 
 
+@pytest.mark.matrix  # make test-matrix (CI runs it after make test): keeps make test within 30 minutes
 @pytest.mark.slow
 def test_vllm_refuses_a_sparsity_config(checkpoints, tmp_path: Path) -> None:
     """What vLLM does with the 2:4 metadata older compressed-tensors wrote: it refuses the checkpoint."""
