@@ -74,7 +74,7 @@ def test_a_server_with_two_tensor_parallel_workers_answers_as_the_eval_engine_wi
 ) -> None:
     """The served greedy text equals what qserve's eval engine with the same two workers generates (the same
     kernels and the same order of the all-reduce's sums). Not the one-process engine's: on this random model
-    the two agreed on the first 4 of 8 tokens, then a near-tie went the other way (CI, 2026-12-03)."""
+    the two agreed on the first 4 of 8 tokens, then a near-tie went the other way."""
     from vllm import SamplingParams
 
     from qserve.checkpoint.manifest import read_manifest

@@ -15,6 +15,7 @@ from typing import Any
 from qserve.checkpoint.manifest import VllmArgs
 from qserve.compat import patched
 from qserve.device.detect import Device, baseline_dtype
+from qserve.errors import QserveError
 from qserve.progress import info, step
 from qserve.runtime.heap import collection_paused, frozen_heap
 
@@ -75,8 +76,6 @@ def cpu_binding(workers: int) -> str | None:
         return None
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < workers:
-        from qserve.errors import QserveError
-
         raise QserveError(
             f"{workers} vLLM CPU workers (tensor x pipeline parallel) need {workers} cores; this process has {len(cores)}"
         )
