@@ -9,9 +9,19 @@ from typing import Any
 from qserve.checkpoint.manifest import CARD_NAME, Manifest
 from qserve.gate.decisions import Gate
 from qserve.gate.schema import EvalRecord, Waiver
+from qserve.paths import write_text
 from qserve.schemes.backends import backend_writing
 
-__all__ = ["CARD_NAME", "front_matter", "gate_rows", "md_table", "model_card", "text_table", "vllm_serve_command"]
+__all__ = [
+    "CARD_NAME",
+    "front_matter",
+    "gate_rows",
+    "md_table",
+    "model_card",
+    "text_table",
+    "vllm_serve_command",
+    "write_card",
+]
 
 
 def gate_rows(gates: list[Gate]) -> list[tuple[str, ...]]:
@@ -31,6 +41,13 @@ def gate_rows(gates: list[Gate]) -> list[tuple[str, ...]]:
             )
         )
     return rows
+
+
+def write_card(ckpt: Path, manifest: Manifest, record: EvalRecord | None, named: Path | None = None) -> None:
+    """The one writer of the card: at quantize (no record; `named` is the final directory it is built
+    for), after each eval, and when a waiver joins the record. Not hashed, so rewriting it never
+    changes the checkpoint's identity."""
+    write_text(ckpt / CARD_NAME, model_card(named or ckpt, manifest, record))
 
 
 def model_card(ckpt: Path, manifest: Manifest, summary: EvalRecord | None) -> str:

@@ -230,8 +230,16 @@ def markdown(
     sequence: list[dict[str, Any]],
 ) -> str:
     """The tables as a page: false pass at the allowance / power, per n."""
-    draws, level = rows[0]["draws"], rows[0]["level"]
-    out = [
+    out = _intro(rows[0]["draws"], rows[0]["level"], provenance) + _binary_section(binary)
+    out += _means_section(rows, later) + _sequence_section(sequence) + _outside_section(tails)
+    return "\n".join(out)
+
+
+MEAN_BOUNDS = (("corpus", "Perplexity / bits per byte"), ("mean", "Per-item means (not 0/1)"))
+
+
+def _intro(draws: int, level: float, provenance: str) -> list[str]:
+    return [
         "# What the gate guarantees, by n",
         "",
         provenance,
@@ -241,6 +249,11 @@ def markdown(
         f"(power), over {draws} simulated samples of n items, with the bounds of a first look at a checkpoint's weights "
         f"(one-sided {1 - level:.2%}; later looks spend less, so that all of them together stay within 5 %).",
         "",
+    ]
+
+
+def _binary_section(binary: list[dict[str, Any]]) -> list[str]:
+    out = [
         "## 0/1 items (exact_match, acc, acc_norm)",
         "",
         "The exact unconditional score test on the items lost and gained (qserve/gate/paired_binary.py). "
@@ -262,8 +275,12 @@ def markdown(
                 f"| {gained:.0%} | " + " | ".join(f"{cells[n]['false_pass']:.1%} / {cells[n]['power']:.0%}" for n in sizes) + " |"
             )
         out.append("")
-    both = (("corpus", "Perplexity / bits per byte"), ("mean", "Per-item means (not 0/1)"))
-    out += [
+    return out
+
+
+def _means_section(rows: list[dict[str, Any]], later: list[dict[str, Any]]) -> list[str]:
+    level = rows[0]["level"]
+    out = [
         "## Perplexity, bits per byte and other per-item means",
         "",
         "Power here: a model at half the allowance. Perplexity allowance +5 %. A pass needs the upper bound "
@@ -272,7 +289,7 @@ def markdown(
         "The shapes below are the class the guarantee covers; the later looks' tables follow.",
         "",
     ]
-    out += _shape_tables(rows, both)
+    out += _shape_tables(rows, MEAN_BOUNDS)
     for alpha in dict.fromkeys(r["level"] for r in later):
         cells, many = [r for r in later if r["level"] == alpha], later[0]["draws"]
         out += [
@@ -282,8 +299,12 @@ def markdown(
             f"with 3 Monte-Carlo SE over {many} samples per cell). 0/1 gates keep every look's share (exact test).",
             "",
         ]
-        out += _shape_tables(cells, both)
-    out += [
+        out += _shape_tables(cells, MEAN_BOUNDS)
+    return out
+
+
+def _sequence_section(sequence: list[dict[str, Any]]) -> list[str]:
+    out = [
         "## Every look together",
         "",
         f"One user's looks at growing --limit ({', '.join(str(n) for n in SEQUENCE)}), each decided on everything scored "
@@ -294,15 +315,18 @@ def markdown(
         "| shape | perplexity / bits per byte | per-item means |",
         "|---|---|---|",
     ]
-    described = {s.name: s.describe for s in SHAPES}
-    for name in described:
-        cell = {r["bound"]: r for r in sequence if r["shape"] == name}
+    for shape in SHAPES:
+        cell = {r["bound"]: r for r in sequence if r["shape"] == shape.name}
         out.append(
-            f"| {described[name]} | "
-            + " | ".join(f"{cell[b]['false_pass']:.1%} / {cell[b]['power']:.0%}" for b, _ in both)
+            f"| {shape.describe} | "
+            + " | ".join(f"{cell[b]['false_pass']:.1%} / {cell[b]['power']:.0%}" for b, _ in MEAN_BOUNDS)
             + " |"
         )
-    out += [
+    return out
+
+
+def _outside_section(tails: list[dict[str, Any]]) -> list[str]:
+    out = [
         "",
         "## Outside the guarantee",
         "",
@@ -312,8 +336,7 @@ def markdown(
         "tail without a variance (the page shows what the simulation finds; nothing is claimed for it):",
         "",
     ]
-    out += _shape_tables(tails, both)
-    return "\n".join(out)
+    return out + _shape_tables(tails, MEAN_BOUNDS)
 
 
 def _look(alpha: float) -> int:

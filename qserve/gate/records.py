@@ -12,13 +12,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from qserve import paths
-from qserve.checkpoint.manifest import CARD_NAME, EVAL_NAME, manifest_digest, read_manifest, verify_files
+from qserve.checkpoint.manifest import EVAL_NAME, manifest_digest, read_manifest, verify_files
 from qserve.errors import QserveError
-from qserve.gate.card import model_card
+from qserve.gate.card import write_card
 from qserve.gate.decisions import Gate, Status
 from qserve.gate.policy import GateSpec, Policy, allowed_degradation, read_policy, recipe_policy
 from qserve.gate.schema import EVAL_SCHEMA_VERSION, EvalRecord, Waiver
-from qserve.paths import write_json, write_text
+from qserve.paths import write_json
 from qserve.progress import info
 
 
@@ -121,7 +121,7 @@ def _record_waiver(ckpt: Path, record: EvalRecord, by: str, override: str, polic
         return line  # already recorded (and perhaps signed): rewriting would break the signature
     record.waivers = [*waivers, waiver]
     write_eval(ckpt, record)
-    write_text(ckpt / CARD_NAME, model_card(ckpt, read_manifest(ckpt), record))
+    write_card(ckpt, read_manifest(ckpt), record)
     return line
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from qserve.checkpoint.manifest import LM_EVAL_RESULTS_NAME, REPORT_NAME, Manifest
-from qserve.gate.card import CARD_NAME, gate_rows, md_table, model_card, text_table
+from qserve.gate.card import gate_rows, md_table, text_table, write_card
 from qserve.gate.decisions import Gate
 from qserve.gate.records import write_eval
 from qserve.gate.schema import EvalRecord
@@ -21,7 +21,7 @@ from qserve.paths import write_json, write_text
 def write_all(ckpt: Path, manifest: Manifest, record: EvalRecord, raw: dict[str, Any]) -> None:
     write_json(ckpt / LM_EVAL_RESULTS_NAME, raw)
     write_text(ckpt / REPORT_NAME, markdown_report(record, raw))
-    write_text(ckpt / CARD_NAME, model_card(ckpt, manifest, record))
+    write_card(ckpt, manifest, record)
     write_eval(ckpt, record)
 
 

@@ -16,9 +16,8 @@ from qserve import paths
 from qserve.checkpoint.manifest import MANIFEST_NAME, Manifest, VllmArgs, hash_files, library_versions, write_manifest
 from qserve.compat import patched
 from qserve.errors import QserveError, is_out_of_memory
-from qserve.gate.card import CARD_NAME, model_card
+from qserve.gate.card import write_card
 from qserve.models.sources import ModelRef, resolve_model
-from qserve.paths import write_text
 from qserve.progress import info, step
 from qserve.quantize import architecture, backends
 from qserve.quantize.execution import (
@@ -125,8 +124,7 @@ def quantize(recipe_path: str | Path, options: QuantizeOptions | None = None) ->
     try:
         with _terminate_as_interrupt(), patched("transformers-undecorated"):
             manifest = _run(job, partial)
-        # The card names the final directory; `qserve eval` rewrites it with results. Not hashed.
-        write_text(partial / CARD_NAME, model_card(out, manifest, None))
+        write_card(partial, manifest, None, named=out)
         publish(partial, out, options.force)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
