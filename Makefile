@@ -48,7 +48,8 @@ test: setup
 # processes; tests/test_install.py: the GPU install's set from PyPI; and, to keep make test within 30
 # minutes: compare's shared baseline, the all-patches-off eval, the 2:4 sparsity recipe's tests, two-process
 # GPTQ, quantizing a model larger than the memory limit);
-# .ci/run runs it after make test.
+# .ci/run runs it after make test. It starts from the checkpoints make test made from the same sources
+# (kept in the test cache, tests/conftest.py's `keep`), so it does not quantize them or run the demo again.
 test-matrix: setup
 	$(UV) run --no-sync pytest -ra --durations=10 -m matrix
 

@@ -27,6 +27,11 @@ def use_terminal(stream: TextIO | None) -> TextIO | None:
     return previous
 
 
+def terminal_in_use() -> TextIO | None:
+    """The stream qserve's lines go to (None: sys.stderr)."""
+    return _terminal
+
+
 def _out() -> TextIO:
     return _terminal or sys.stderr
 

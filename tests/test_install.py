@@ -27,3 +27,14 @@ def test_the_cuda_install_is_vllms_cuda_wheel_with_the_tests_and_the_projects_ov
 def test_make_setup_on_cuda_never_syncs_the_cpu_lock() -> None:
     dry = subprocess.run(["make", "-n", "setup", "demo", "DEVICE=cuda"], cwd=REPO, capture_output=True, text=True, check=True)
     assert ".ci/cuda-setup" in dry.stdout and "sync" not in dry.stdout.replace("--no-sync", "")
+
+
+def test_the_gpu_check_refuses_a_machine_without_a_gpu_in_one_line_and_writes_nothing(tmp_path: Path) -> None:
+    # No nvidia-smi on PATH: this host has no GPU; the check runs its steps only where one is.
+    env = {"PATH": "/usr/bin:/bin", "TMPDIR": str(tmp_path), "HOME": os.environ.get("HOME", "/root")}
+    proc = subprocess.run([str(REPO / ".ci" / "gpu-check")], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr == (
+        "error: no CUDA GPU here (nvidia-smi lists none): .ci/gpu-check runs on a GPU machine after `make setup DEVICE=cuda`\n"
+    )
+    assert proc.stdout == "" and list(tmp_path.iterdir()) == []

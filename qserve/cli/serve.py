@@ -150,14 +150,11 @@ def bench(
 def _eval_throughput(work_dir: Path, data_dir: Path | None, verbose: bool, as_json: bool) -> str:
     from qserve import paths
     from qserve.bench.throughput import eval_throughput, markdown
-    from qserve.quantize.pipeline import QuantizeOptions, quantize
+    from qserve.workflows.run import checkpoint_for
 
-    ckpt = work_dir / "out-w8a8-int8"
+    recipe = paths.project_data("recipes") / "w8a8-int8.yaml"
+    ckpt = checkpoint_for(recipe, output=work_dir / "out-w8a8-int8", data_dir=data_dir, verbose=verbose, remember=False).path
     with library_output(work_dir / "logs" / "eval-throughput.log", verbose):
-        if not ckpt.is_dir():
-            quantize(
-                paths.project_data("recipes") / "w8a8-int8.yaml", QuantizeOptions(output=ckpt, data_dir=data_dir, remember=False)
-            )
         result = eval_throughput(ckpt, paths.data_dir(data_dir))
     (work_dir / "eval_throughput.json").write_text(json.dumps(result, indent=2) + "\n")
     return json.dumps(result, indent=2) if as_json else "\n".join(markdown(result))

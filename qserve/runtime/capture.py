@@ -52,7 +52,10 @@ def library_output(log_path: Path, verbose: bool = False) -> Iterator[Path]:
     if log_path.is_file():
         os.replace(log_path, earlier)
     saved_out, saved_err = os.dup(1), os.dup(2)
-    terminal = os.fdopen(os.dup(saved_err), "w", buffering=1)
+    # Nested in another command's log (compare's steps each keep their own): qserve's lines still go
+    # to the terminal the outer block saved, not into the outer log.
+    outer = progress.terminal_in_use()
+    terminal = os.fdopen(os.dup(outer.fileno() if outer is not None else saved_err), "w", buffering=1)
     fd = open_log(log_path)
     os.dup2(fd, 1)
     os.dup2(fd, 2)

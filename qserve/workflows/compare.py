@@ -1,7 +1,7 @@
 """`qserve compare`: several recipes side by side: accuracy recovery, size, decode speed.
 
-Each recipe is quantized once (a finished checkpoint made from the same recipe file and
-model is reused), gated against the shared cached baseline, and its decode throughput is
+Each recipe goes through the chain `qserve run` uses (workflows/run.py: its checkpoint reused by the
+same rule, the libraries' output in its logs), gated against the shared cached baseline, and its decode throughput is
 measured on the same vLLM engine the gate used.
 """
 
@@ -11,31 +11,19 @@ import json
 from pathlib import Path
 from typing import Any
 
-from qserve.checkpoint.manifest import read_manifest, verify_files
+from qserve.checkpoint.manifest import read_manifest
 from qserve.device import detect
 from qserve.engines import throughput
 from qserve.engines import vllm as engine
-from qserve.errors import QserveError
-from qserve.evaluate.evaluation import EvalOptions, evaluate, plan_tasks
+from qserve.evaluate.evaluation import EvalOptions, plan_tasks
 from qserve.gate.schema import EvalRecord
-from qserve.models.sources import baseline_model, resolve_model
-from qserve.progress import info
-from qserve.quantize.pipeline import QuantizeOptions, quantize
+from qserve.models.sources import baseline_model
 from qserve.quantize.recipe import load_recipe
 from qserve.workflows.inspection import inspect_checkpoint
+from qserve.workflows.run import checkpoint_for, evaluate_logged
 
 RESULT_NAME = "compare.json"
 PLOT_NAME = "compare.png"
-
-
-def reusable(ckpt: Path, recipe_sha: str, model_id: str) -> bool:
-    """A finished checkpoint from exactly this recipe file and model, with intact files."""
-    try:
-        manifest = read_manifest(ckpt)
-        verify_files(ckpt, manifest)
-    except QserveError:
-        return False
-    return manifest.recipe_source.get("sha256") == recipe_sha and manifest.source_model.get("id") == model_id
 
 
 def check_before_work(recipes: list[Path], tasks: list[str] | None, data_dir: str | Path | None) -> None:
@@ -55,18 +43,13 @@ def compare(
 ) -> dict[str, Any]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model_id = resolve_model(model).id
     rows = []
     for recipe_path in recipes:
-        recipe, sha = load_recipe(recipe_path)
-        ckpt = out / f"out-{recipe.name}"
-        if reusable(ckpt, sha, model_id):
-            info(f"{recipe.name}: reusing {ckpt}")
-        else:
-            quantize(recipe_path, QuantizeOptions(model, ckpt, data_dir, force=True))
-        rows.append(
-            _row(recipe.name, ckpt, evaluate(ckpt, EvalOptions(tasks=tasks, limit=limit, data_dir=data_dir, measure_decode=True)))
-        )
+        loaded = load_recipe(recipe_path)
+        name = loaded[0].name
+        ckpt = checkpoint_for(Path(recipe_path), model, out / f"out-{name}", data_dir and Path(data_dir), loaded=loaded)
+        options = EvalOptions(tasks=tasks, limit=limit, data_dir=data_dir, measure_decode=True)
+        rows.append(_row(name, ckpt.path, evaluate_logged(ckpt, options)))
     result = {
         "baseline": _baseline_row(out / f"out-{load_recipe(recipes[0])[0].name}"),
         "recipes": rows,

@@ -60,23 +60,29 @@ def checkpoint_for(
     trust_remote_code: bool = False,
     verbose: bool = False,
     loaded: tuple[Recipe, str] | None = None,
+    remember: bool = True,
+    reuse: bool = True,
 ) -> Checkpoint:
-    """`qserve run`'s first step: the recipe's checkpoint, reused when it is still what this recipe,
-    model, data and library versions would make, quantized (replacing a stale one) otherwise; opened
-    once, for the steps after it. `loaded`: the recipe as check_run_before_work parsed it (its gates checked)."""
+    """The chain's first step (`qserve run`, `compare`, the real-weights cells, the eval-throughput
+    bench): the recipe's checkpoint, reused when it is still what this recipe, model, data and library
+    versions would make, quantized (replacing a stale one) otherwise; opened once, for the steps after
+    it. `loaded`: the recipe as the caller's before-work check parsed it (its gates checked);
+    `remember`: record it as the last checkpoint made; `reuse`: False quantizes whatever is there (a
+    timed cell)."""
     from qserve.quantize.pipeline import QuantizeOptions, default_output
     from qserve.quantize.recipe import load_recipe
 
     checked = loaded is not None
     loaded = loaded or load_recipe(recipe)
     out = Path(output) if output else default_output(loaded[0])
-    found = reusable_checkpoint(out, recipe, model, data_dir, trust_remote_code, loaded)
+    found = reusable_checkpoint(out, recipe, model, data_dir, trust_remote_code, loaded) if reuse else "asked to quantize anew"
     if isinstance(found, Checkpoint):
         info(f"reusing checkpoint {out}: same recipe, model, calibration data and libraries; files intact")
-        paths.remember_checkpoint(out)
+        if remember:
+            paths.remember_checkpoint(out)
         return found
     info(f"quantizing: {found}")
-    options = QuantizeOptions(model, out, data_dir, force=out.exists(), trust_remote_code=trust_remote_code)
+    options = QuantizeOptions(model, out, data_dir, force=out.exists(), trust_remote_code=trust_remote_code, remember=remember)
     made = quantize_logged(recipe, options, verbose, gates_checked=checked)
     # Its manifest was just written from the bytes quantize hashed: opened without reading them again.
     manifest = read_manifest(made)
