@@ -504,11 +504,16 @@ class Server:
 
 def small_manifest(quantization: str | None = "compressed-tensors", **fields: Any) -> Manifest:
     """A W8A8 manifest with empty records, for tests that need one without quantizing; `fields`
-    replace the defaults, `quantization` and the other vLLM arguments go to VllmArgs."""
+    replace the defaults, `quantization` and the other vLLM arguments go to VllmArgs; a `recipe` given
+    as a mapping is a W8A8 recipe named "test" with those fields."""
     from qserve.checkpoint.manifest import Manifest, VllmArgs
+    from qserve.spec.recipe import Recipe
 
     vllm = {k: fields.pop(k) for k in ("kv_cache_dtype", "dtype", "trust_remote_code") if k in fields}
-    defaults: dict[str, Any] = {"created_at": "t", "scheme": "W8A8", "recipe": {}, "recipe_source": {}, "source_model": {}}
+    recipe = fields.pop("recipe", {})
+    if isinstance(recipe, dict):
+        recipe = Recipe.model_validate({"name": "test", "scheme": "W8A8"} | recipe)
+    defaults: dict[str, Any] = {"created_at": "t", "scheme": "W8A8", "recipe": recipe, "recipe_source": {}, "source_model": {}}
     defaults |= {"calibration": None, "versions": {}, "timings": {}, "files": {}}
     return Manifest(**(defaults | fields), vllm_args=VllmArgs(quantization=quantization, **vllm))
 

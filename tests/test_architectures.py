@@ -14,7 +14,7 @@ from conftest import REPO, needs_vllm, run_qserve_in_process
 
 from qserve.device import detect
 from qserve.matrix.tiny import ARCHITECTURES, build
-from qserve.quantize.recipe import load_recipe
+from qserve.spec.recipe import load_recipe
 
 # Every scheme's group along a Linear's input: W4A16's recipes (64), the presets' 128, MXFP4 32, NVFP4 16.
 GROUPS = (16, 32, 64, 128)
@@ -267,7 +267,7 @@ def test_moe_routers_stay_unquantized_and_a_recipe_that_quantizes_them_is_refuse
     assert r.returncode == 0, r.stderr
     pattern = r"re:model\.layers\.\d+\.mlp\.shared_expert_gate$"
     assert f"note: 2 MoE router Linear layer(s) stay unquantized (ignore {pattern})" in r.stderr.splitlines()
-    assert read_manifest(out).recipe["ignore"] == ["lm_head", pattern]
+    assert read_manifest(out).recipe.ignore == ["lm_head", pattern]
     assert quantized_routers(out) == []
 
     plain = tmp_path / "plain.yaml"
@@ -323,7 +323,7 @@ def test_a_weight_transformers_would_leave_at_random_init_is_an_error(tiny_model
         "compressed-tensors",
         "auto",
     )
-    assert manifest.recipe["ignore"] == ["lm_head", "re:.*mlp\\.experts\\..*"]
+    assert manifest.recipe.ignore == ["lm_head", "re:.*mlp\\.experts\\..*"]
     assert manifest.experts["quantized"] is False  # so qserve eval and serve use vLLM's unquantized MoE kernel
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     assert config["ignore"][-1] == "re:.*\\.experts\\..*"  # vLLM's names for Mixtral's experts match it too

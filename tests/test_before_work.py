@@ -42,7 +42,7 @@ def test_a_zero_one_metric_by_another_name_cannot_get_an_allowance_of_one(tmp_pa
     from qserve.errors import InvalidSpec
     from qserve.gate import stats
     from qserve.gate.decisions import decide
-    from qserve.gate.policy import GateSpec
+    from qserve.spec.gates import GateSpec
 
     base, quant = [1.0] * 60 + [0.0] * 40, [1.0] * 30 + [0.0] * 70
     items = {str(i): (b, q) for i, (b, q) in enumerate(zip(base, quant))}

@@ -44,7 +44,7 @@ def test_a_gpu_example_recipe_gates_what_its_benchmarks_can_decide(path: Path) -
     """The shipped GPU example parses, lm-eval resolves every task it gates (mmlu as its group), and each
     0/1 gate's allowance is one its benchmark holds the items to pass at 5 % of items flipping each way."""
     from qserve.evaluate.tasks import resolve_tasks
-    from qserve.quantize.recipe import load_recipe
+    from qserve.spec.recipe import load_recipe
 
     recipe, _ = load_recipe(path)
     resolved = resolve_tasks(list(recipe.gates))

@@ -10,7 +10,7 @@ from conftest import DATA_DIR
 
 from qserve.errors import QserveError
 from qserve.quantize.calibration import load_texts, split_by_weight
-from qserve.quantize.recipe import CalibrationSpec
+from qserve.spec.recipe import CalibrationSpec
 
 ROWS = [{"text": f"sample number {i}", "q": f"question {i}"} for i in range(6)]
 

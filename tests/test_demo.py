@@ -117,7 +117,7 @@ def test_a_second_run_goes_straight_to_serving_and_ctrl_c_stops_it(demo_run: Dem
 def test_a_changed_recipe_or_gate_is_not_reused(demo_run: DemoRun, tmp_path: Path, monkeypatch) -> None:
     from qserve.evaluate import evaluation
     from qserve.evaluate.evaluation import EvalOptions, reusable_eval
-    from qserve.gate.decisions import parse_cli_gates
+    from qserve.spec.gates import parse_cli_gates
     from qserve.workflows.run import why_stale
 
     recipe = REPO / DEMO_RECIPE

@@ -291,7 +291,7 @@ def test_eval_and_gate_decide_alike_on_the_same_outputs(tmp_path: Path) -> None:
     from qserve.gate import looks, stats
     from qserve.gate.core import decide_gates
     from qserve.gate.external import gate_runs
-    from qserve.gate.policy import GateSpec
+    from qserve.spec.gates import GateSpec
 
     b, q, *_ = _pair(tmp_path)
     specs = {"ppl_task": [GateSpec(max_increase=0.05)], "qa_task": [GateSpec(min_recovery=0.95), GateSpec(max_drop=0.2)]}

@@ -12,10 +12,10 @@ from scipy.stats import t as t_dist
 
 from qserve.errors import QserveError
 from qserve.evaluate.tasks import get_tasks
-from qserve.gate.decisions import Bounds, Comparison, decide, parse_cli_gates, recovery, verdict
-from qserve.gate.policy import GateSpec
+from qserve.gate.decisions import Bounds, Comparison, decide, recovery, verdict
 from qserve.gate.stats import aggregate, compare, item_values
-from qserve.quantize.recipe import parse_recipe
+from qserve.spec.gates import GateSpec, parse_cli_gates
+from qserve.spec.recipe import parse_recipe
 
 
 def _cmp(b: float, q: float, hib: bool = True, bounds: tuple[float, float] | None = None, **kw) -> Comparison:

@@ -16,7 +16,8 @@ ALLOWED = {
     "base": {"base"},
     "schemes": {"base"},
     "device": {"base"},
-    "checkpoint": {"base", "schemes"},
+    "spec": {"base", "schemes"},  # what a user asks for: below checkpoint/, whose manifest holds the recipe typed
+    "checkpoint": {"base", "schemes", "spec"},
     "compat": {"base", "device"},
     "models": {"base", "checkpoint"},
     "gate": {"base", "schemes", "checkpoint", "device"},  # schemes: the model card names the backend
@@ -33,6 +34,8 @@ ALLOWED = {
 ALLOWED["cli"] = set(ALLOWED) | {"cli"}
 for _part_name, _deps in ALLOWED.items():
     _deps.add(_part_name)
+    if "checkpoint" in _deps:  # every part that reads a manifest reads its recipe
+        _deps.add("spec")
     if "engines" in _deps or _part_name == "models":  # the patches, for every part that runs a library
         _deps.add("compat")
 

@@ -16,8 +16,8 @@ from test_registered_tasks import _checkpoint
 from qserve.errors import QserveError
 from qserve.evaluate import baselines
 from qserve.evaluate.evaluation import EvalOptions, plan_lm_eval
-from qserve.gate.lm_eval_args import LmEvalArgs, lm_eval_differences
-from qserve.quantize.recipe import parse_recipe
+from qserve.spec.lm_eval_args import LmEvalArgs, lm_eval_differences
+from qserve.spec.recipe import parse_recipe
 
 GEN_KWARGS_HINT = "lm-eval splits on every comma, so give pairs such as temperature=0,max_gen_toks=256 (no lists)"
 MULTITURN = (
@@ -109,7 +109,7 @@ def test_a_recipe_eval_section_is_checked_with_its_line(section: str, message: s
 def test_the_command_line_wins_over_the_recipe_field_by_field() -> None:
     recipe = parse_recipe(RECIPE + "eval:\n  num_fewshot: 5\n  apply_chat_template: true\n  seed: 7\n").eval
     assert recipe is not None
-    section = recipe.model_dump()
+    section = recipe.args()
     cli = LmEvalArgs.parse(num_fewshot=2, fewshot_as_multiturn=False, gen_kwargs="max_gen_toks=64,do_sample=false")
     merged = plan_lm_eval(section, EvalOptions(lm_eval=cli)).resolved()
     assert merged == {
@@ -167,7 +167,7 @@ def test_a_baseline_made_with_other_options_is_another_cache_entry() -> None:
 
 
 def test_a_record_made_with_other_options_does_not_meet_a_recipe_that_names_them() -> None:
-    section = {"num_fewshot": 5, "apply_chat_template": True}
+    section = LmEvalArgs.from_recipe({"num_fewshot": 5, "apply_chat_template": True})
     made_so = {
         "num_fewshot": 5,
         "apply_chat_template": True,
@@ -188,4 +188,4 @@ def test_a_record_made_with_other_options_does_not_meet_a_recipe_that_names_them
     assert lm_eval_differences(section, {"tasks": ["gsm8k"]}) == [
         "the record does not say which lm-eval options it was made with (the recipe names num_fewshot, apply_chat_template)"
     ]
-    assert lm_eval_differences(None, {"lm_eval": otherwise}) == []
+    assert lm_eval_differences(LmEvalArgs(), {"lm_eval": otherwise}) == []

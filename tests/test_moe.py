@@ -16,7 +16,7 @@ from conftest import DATA_DIR, copy_tokenizer, run_qserve, run_qserve_in_process
 from qserve.checkpoint.manifest import read_manifest
 from qserve.device import detect
 from qserve.quantize.calibration import load_texts
-from qserve.quantize.recipe import load_recipe
+from qserve.spec.recipe import load_recipe
 from qserve.support import claims as support
 
 EXPERTS, PER_TOKEN, LAYERS = 8, 1, 2

@@ -15,8 +15,8 @@ from scipy.stats import beta, multinomial, norm
 
 from qserve.gate import looks, paired_binary
 from qserve.gate.decisions import decide
-from qserve.gate.policy import GateSpec
 from qserve.gate.stats import compare
+from qserve.spec.gates import GateSpec
 
 FIRST = looks.level(1)
 

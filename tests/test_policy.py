@@ -19,8 +19,9 @@ from qserve.errors import QserveError
 from qserve.gate.decisions import Gate
 from qserve.gate.policy import MIN_ITEMS, Policy, read_policy, recipe_policy
 from qserve.gate.records import differences
+from qserve.spec.recipe import Recipe
 
-RECIPE = {"name": "r", "gates": {"gsm8k_ppl": 0.95, "gsm8k": 0.95}}
+RECIPE = Recipe(name="r", scheme="W8A8", gates={"gsm8k_ppl": 0.95, "gsm8k": 0.95})
 
 
 def _differences(gates: list[dict], policy: Policy) -> list[str]:
@@ -59,7 +60,7 @@ def test_every_task_the_recipe_gates_is_required_and_a_gate_without_signal_is_a_
     assert _differences([_gate(), silent], recipe_policy(RECIPE)) == [
         "gsm8k was gated without signal (all 100 items scored 0 on both models): it decided nothing"
     ]
-    one = Policy(gates=RECIPE["gates"], require_all_tasks=False)
+    one = Policy(gates=RECIPE.gates, require_all_tasks=False)
     assert _differences([_gate()], one) == []
     assert _differences([_gate("arc_easy")], one) == ["no gate on any task the policy names (gsm8k_ppl, gsm8k)"]
 

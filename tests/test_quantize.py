@@ -16,7 +16,7 @@ from qserve.checkpoint.manifest import MANIFEST_NAME, hash_files, read_manifest,
 from qserve.errors import QserveError
 from qserve.paths import pending_log
 from qserve.quantize.pipeline import check_shapes
-from qserve.quantize.recipe import load_recipe, parse_recipe
+from qserve.spec.recipe import load_recipe, parse_recipe
 
 RECIPES = ["w4a16-gptq", "fp8", "w8a8-int8"]
 # recipe -> weight bits, group size, vLLM dtype, calibrated, largest size as a fraction of the bfloat16

@@ -8,8 +8,8 @@ import pytest
 from conftest import REPO, run_qserve
 
 from qserve.errors import QserveError
-from qserve.quantize.recipe import load_recipe, parse_recipe
 from qserve.schemes.catalog import SCHEMES
+from qserve.spec.recipe import load_recipe, parse_recipe
 
 VALID = """\
 name: t

@@ -19,7 +19,7 @@ from qserve.checkpoint.manifest import read_manifest
 from qserve.device.detect import native_bfloat16
 from qserve.errors import QserveError, is_out_of_memory
 from qserve.quantize import distributed, execution
-from qserve.quantize.recipe import parse_recipe
+from qserve.spec.recipe import parse_recipe
 
 # --- the torchrun command line and the refusals (no library runs) ---
 

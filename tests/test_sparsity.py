@@ -11,7 +11,7 @@ import pytest
 
 from qserve.checkpoint.manifest import read_manifest
 from qserve.errors import QserveError
-from qserve.quantize.recipe import parse_recipe
+from qserve.spec.recipe import parse_recipe
 
 SPARSE = "name: s\nscheme: W8A8\nsparsity: '2:4'\ncalibration: {path: gsm8k/train.jsonl}\n"
 

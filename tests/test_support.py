@@ -405,7 +405,7 @@ def test_a_probe_confirms_a_failure_only_with_vllms_own_message() -> None:
 def test_quark_scheme_is_read_back_from_the_export(tmp_path: Path) -> None:
     from qserve.errors import QserveError
     from qserve.quantize.backends.quark import exported_scheme
-    from qserve.quantize.recipe import parse_recipe
+    from qserve.spec.recipe import parse_recipe
 
     def export(weight: dict, inputs: dict | None) -> Path:
         glob = {"weight": weight, "input_tensors": inputs}

@@ -11,8 +11,8 @@ from conftest import DEMO_RECIPE, REPO, run_qserve, run_qserve_in_process, runs_
 from qserve.checkpoint.manifest import read_manifest
 from qserve.checkpoint.tensors import quantized_layer_bytes, tensor_headers
 from qserve.errors import QserveError
-from qserve.quantize.recipe import load_recipe, parse_recipe
 from qserve.schemes.catalog import scheme_of_checkpoint
+from qserve.spec.recipe import load_recipe, parse_recipe
 from qserve.tune.groups import LayerGroup, targets
 from qserve.tune.search import next_k, predicted_k, search_order
 

@@ -136,7 +136,7 @@ def quantize_vs_oneshot(recipe: Path, work: Path, data_dir: Path) -> dict[str, A
     """qserve quantize (shape check, hashing, manifest, card included) against bare oneshot."""
     from qserve.models.sources import resolve_model
     from qserve.quantize.calibration import load_texts
-    from qserve.quantize.recipe import load_recipe
+    from qserve.spec.recipe import load_recipe
 
     rec, _ = load_recipe(recipe)
     if (rec.scheme, rec.algorithm, rec.smoothquant) != ("W4A16", "gptq", None):

@@ -20,6 +20,7 @@ from qserve.checkpoint.layout import (
     SIGNATURE_NAME,
 )
 from qserve.errors import QserveError
+from qserve.spec.recipe import Recipe
 
 # Laid out by hand (the names other modules import from here), so the formatter leaves it:
 # fmt: off
@@ -56,7 +57,7 @@ class Manifest(BaseModel):
     format_version: int = 1
     created_at: str
     scheme: str
-    recipe: dict[str, Any]
+    recipe: Recipe  # as parsed: its gates and lm-eval options reach eval and serve in this form
     recipe_source: dict[str, Any]
     source_model: dict[str, Any]
     calibration: dict[str, Any] | None

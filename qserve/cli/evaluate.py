@@ -29,7 +29,7 @@ from qserve.cli._common import (
 )
 
 if TYPE_CHECKING:
-    from qserve.gate.lm_eval_args import LmEvalArgs
+    from qserve.spec.lm_eval_args import LmEvalArgs
 
 IncludePathOpt = Annotated[
     Path | None,
@@ -111,7 +111,7 @@ def lm_eval_args(
     seed: str | None,
 ) -> LmEvalArgs:
     """The command line's lm-eval options, checked (one `error:` line each) before any work."""
-    from qserve.gate.lm_eval_args import LmEvalArgs
+    from qserve.spec.lm_eval_args import LmEvalArgs
 
     given = {
         "num_fewshot": num_fewshot,
@@ -185,8 +185,8 @@ def eval_(
       qserve eval out-llama-70b-w4a16 --tasks gsm8k -tp 8 -pp 2 --distributed-executor-backend ray
     """
     from qserve.evaluate.evaluation import EvalOptions
-    from qserve.gate.decisions import parse_cli_gates
     from qserve.gate.reports import format_table
+    from qserve.spec.gates import parse_cli_gates
     from qserve.workflows.run import evaluate_logged
 
     asked = lm_eval_args(num_fewshot, apply_chat_template, fewshot_as_multiturn, system_instruction, gen_kwargs, seed)

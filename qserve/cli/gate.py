@@ -64,9 +64,9 @@ def gate(
         --log_samples --output_path runs/q           (runs/b: pretrained= the source model, the same options)
       qserve gate runs/b runs/q --checkpoint out-w8a8-int8 && qserve serve out-w8a8-int8
     """
-    from qserve.gate.decisions import parse_cli_gates
     from qserve.gate.external import format_report, gate_runs
     from qserve.paths import write_json
+    from qserve.spec.gates import parse_cli_gates
 
     opened = None
     if checkpoint is not None:

@@ -86,10 +86,10 @@ def run(
       qserve run recipes/w4a16-gptq.yaml --tasks gsm8k_ppl --limit 100 --port 8001 -- --max-num-seqs 8
     """
     from qserve.evaluate.evaluation import EvalOptions
-    from qserve.gate.decisions import parse_cli_gates
     from qserve.gate.reports import format_table
     from qserve.serve.plan import Endpoint, check_before_work
     from qserve.serve.server import ensure_port_free, serve, warm_server
+    from qserve.spec.gates import parse_cli_gates
     from qserve.workflows.run import check_run_before_work, checkpoint_for, gate_for
 
     gates = parse_cli_gates(gate or [])

@@ -71,8 +71,8 @@ def tune(
       qserve tune recipes/w8a8-int8.yaml --tasks gsm8k_ppl --limit 100
       qserve tune recipes/w8a8-int8.yaml --sensitivity-only
     """
-    from qserve.quantize.recipe import load_recipe
     from qserve.runtime.process import bounded_in_process_stop
+    from qserve.spec.recipe import load_recipe
     from qserve.tune.report import format_tune
     from qserve.tune.search import Budget, TuneOptions
     from qserve.tune.search import tune as run

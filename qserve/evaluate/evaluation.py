@@ -24,13 +24,13 @@ from qserve.evaluate.tasks import Resolved, Task, dataset_copies, datasets_dir, 
 from qserve.gate import looks, reports
 from qserve.gate.core import Group, decide_gates
 from qserve.gate.decisions import Gate, Status, verdict
-from qserve.gate.lm_eval_args import LmEvalArgs
-from qserve.gate.policy import GateSpec, check_allowance, declared_gates, default_gate
 from qserve.gate.records import read_eval, resolve_checkpoint
 from qserve.gate.schema import EvalRecord
 from qserve.models.sources import ModelRef, baseline_model
 from qserve.progress import info, step
 from qserve.schemes.catalog import SCHEMES
+from qserve.spec.gates import GateSpec, check_allowance, default_gate
+from qserve.spec.lm_eval_args import LmEvalArgs
 from qserve.support import claims as support
 
 
@@ -225,13 +225,13 @@ def _plan(checkpoint: str | Path | Checkpoint | None, options: EvalOptions) -> _
     tasks and their gates, the device."""
     given = checkpoint if isinstance(checkpoint, Checkpoint) else resolve_checkpoint(checkpoint)
     recipe = given.manifest.recipe if isinstance(given, Checkpoint) else read_manifest(given).recipe
-    lm_eval = plan_lm_eval(recipe.get("eval"), options)  # before the files are hashed
+    lm_eval = plan_lm_eval(recipe.lm_eval, options)  # before the files are hashed
     opened = open_checkpoint(given)
     ckpt, manifest = opened.path, opened.manifest
     if options.verify_key is not None:
         signing.verify(ckpt, options.verify_key)
     flags.check_user_args(ckpt, manifest, {"--kv-cache-dtype": options.kv_cache_dtype})
-    resolved, specs, configs = plan_tasks(declared_gates(manifest.recipe), options)
+    resolved, specs, configs = plan_tasks(manifest.recipe.gates, options)
     task_defs = resolved.tasks
     _note_fixed_zero_shot(lm_eval, configs)
     device = detect.detect_device().with_parallel(options.parallel)
@@ -245,10 +245,10 @@ def _plan(checkpoint: str | Path | Checkpoint | None, options: EvalOptions) -> _
     return _Plan(ckpt, manifest, task_defs, specs, configs, device, runnable, opened.source, copies, lm_eval, resolved.groups)
 
 
-def plan_lm_eval(recipe_eval: dict[str, Any] | None, options: EvalOptions) -> LmEvalArgs:
+def plan_lm_eval(recipe_eval: LmEvalArgs, options: EvalOptions) -> LmEvalArgs:
     """lm-eval's options for both models: the command line's over the recipe's eval section, checked
     together before any work (the recipe's own were checked when it was parsed)."""
-    merged = options.lm_eval.over(LmEvalArgs.from_recipe(recipe_eval))
+    merged = options.lm_eval.over(recipe_eval)
     merged.check()
     return merged
 
@@ -357,7 +357,7 @@ def _summary(plan: _Plan, base_side: _Baseline, outcome: _Outcome, options: Eval
         "vllm_support": asdict(plan.runnable),
         "decode": outcome.extra["decode"],
         "scheme": manifest.scheme,
-        "recipe": manifest.recipe.get("name"),
+        "recipe": manifest.recipe.name,
         "tasks": [t.name for t in plan.tasks],
         "groups": plan.groups or None,
         "limit": options.limit,

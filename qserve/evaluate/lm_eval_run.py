@@ -16,9 +16,9 @@ from qserve.errors import QserveError
 from qserve.evaluate import fallback
 from qserve.evaluate.tasks import config_task_manager
 from qserve.gate import core, stats
-from qserve.gate.lm_eval_args import LmEvalArgs
 from qserve.gate.stats import ItemValues
 from qserve.progress import step
+from qserve.spec.lm_eval_args import LmEvalArgs
 
 
 @dataclass

@@ -57,7 +57,7 @@ def model_card(ckpt: Path, manifest: Manifest, summary: EvalRecord | None) -> st
     lines = front_matter(ckpt, manifest, summary) + [
         f"# {ckpt.resolve().name}",
         "",
-        f"{manifest.source_model['id']} quantized to **{manifest.scheme}** by qserve (recipe `{r.get('name')}`: {r.get('description') or r.get('scheme')}).",
+        f"{manifest.source_model['id']} quantized to **{manifest.scheme}** by qserve (recipe `{r.name}`: {r.description or r.scheme}).",
         "",
         "## How it was made",
         "",
@@ -111,7 +111,7 @@ def front_matter(ckpt: Path, manifest: Manifest, summary: EvalRecord | None) -> 
     meta["tags"] += [made_by.label.lower()] * bool(made_by) + ["vllm"]
     meta["quantization"] = {
         "scheme": manifest.scheme,
-        "recipe": manifest.recipe.get("name"),
+        "recipe": manifest.recipe.name,
         "vllm_quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
         "dtype": args.dtype,

@@ -10,8 +10,8 @@ from typing import Protocol
 from qserve.errors import QserveError
 from qserve.gate import stats
 from qserve.gate.decisions import Gate, decide
-from qserve.gate.policy import GateSpec, check_allowance
 from qserve.gate.stats import ItemValues
+from qserve.spec.gates import GateSpec, check_allowance
 
 
 class Scores(Protocol):

@@ -13,11 +13,11 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
-from pydantic import ConfigDict, ValidationError
+from pydantic import ConfigDict
 
-from qserve.errors import InvalidSpec, QserveError
+from qserve.errors import InvalidSpec
 from qserve.gate import paired_binary
-from qserve.gate.policy import CRITERIA, GateSpec, allowed_degradation
+from qserve.spec.gates import GateSpec, allowed_degradation
 
 
 class Status(StrEnum):
@@ -26,38 +26,6 @@ class Status(StrEnum):
     PASS = "pass"
     FAIL = "fail"
     INCONCLUSIVE = "inconclusive"
-
-
-def parse_cli_gates(values: list[str]) -> dict[str, list[GateSpec]]:
-    """`TASK=0.95`, `TASK:max_drop=0.02`, `TASK@acc_norm:min_recovery=0.9`; several per task combine."""
-    merged: dict[tuple[str, str | None], dict] = {}
-    for item in values:
-        head, sep, number = item.partition("=")
-        task, _, criterion = head.partition(":")
-        task, _, metric = task.partition("@")
-        criterion = criterion.strip() or "min_recovery"
-        try:
-            value = float(number)
-        except ValueError:
-            sep = ""
-        if not sep or not task.strip() or criterion not in CRITERIA:
-            raise QserveError(
-                f"--gate {item!r}: expected TASK[@METRIC][:CRITERION]=VALUE with CRITERION one of {', '.join(CRITERIA)}, "
-                "e.g. gsm8k=0.9 or gsm8k_ppl:max_increase=0.05"
-            )
-        key = (task.strip(), _metric_key(metric.strip()) if metric.strip() else None)
-        merged.setdefault(key, {})[criterion] = value
-    out: dict[str, list[GateSpec]] = {}
-    for (task, metric), crit in merged.items():
-        try:
-            out.setdefault(task, []).append(GateSpec(metric=metric, **crit))
-        except ValidationError as exc:
-            raise QserveError(f"--gate for {task}: {exc.errors()[0]['msg'].removeprefix('Value error, ')}") from None
-    return out
-
-
-def _metric_key(metric: str) -> str:
-    return metric if "," in metric else f"{metric},none"
 
 
 @dataclass

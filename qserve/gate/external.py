@@ -25,7 +25,7 @@ from qserve.errors import QserveError
 from qserve.gate import looks, outside, stats
 from qserve.gate.core import Group, decide_gates, higher_is_better
 from qserve.gate.decisions import Gate, verdict
-from qserve.gate.policy import GateSpec, declared_gates, default_gate
+from qserve.spec.gates import GateSpec, default_gate
 
 
 def gate_runs(
@@ -46,7 +46,7 @@ def gate_runs(
     base, quant = _LmEvalRun(baseline), _LmEvalRun(quantized)
     if checkpoint is not None:
         outside.check_runs(checkpoint, (base.raw, base.path), (quant.raw, quant.path))
-        gates = declared_gates(checkpoint.manifest.recipe) | gates
+        gates = checkpoint.manifest.recipe.gates | gates
     names = tasks or sorted(set(gates) or (set(base.units()) & set(quant.units())))
     if not names:
         raise QserveError(f"{baseline} and {quantized} have no task in common")

@@ -160,7 +160,7 @@ def record(ckpt: Checkpoint, summary: dict[str, Any], runs: dict[str, OutsideRun
         engine=engine,
         emulated=engine == "transformers",  # lm-eval's hf: scores from transformers, not the vLLM that serves
         scheme=ckpt.manifest.scheme,
-        recipe=ckpt.manifest.recipe.get("name"),
+        recipe=ckpt.manifest.recipe.name,
         tasks=summary["tasks"],
         groups=summary.get("groups"),
         n_samples={task: n_samples.get(task) for task in summary["tasks"]},

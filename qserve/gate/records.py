@@ -16,10 +16,11 @@ from qserve.checkpoint.manifest import EVAL_NAME, manifest_digest, read_manifest
 from qserve.errors import QserveError
 from qserve.gate.card import write_card
 from qserve.gate.decisions import Gate, Status
-from qserve.gate.policy import GateSpec, Policy, allowed_degradation, read_policy, recipe_policy
+from qserve.gate.policy import Policy, read_policy, recipe_policy
 from qserve.gate.schema import EVAL_SCHEMA_VERSION, EvalRecord, Waiver
 from qserve.paths import write_json
 from qserve.progress import info
+from qserve.spec.gates import GateSpec, allowed_degradation
 
 
 def _checked(record: dict[str, Any], path: Path) -> EvalRecord:
@@ -101,9 +102,9 @@ def check_gate(ckpt: Path, policy_file: Path | None = None, accept_difference: b
 
 def _options_differ(ckpt: Path, record: EvalRecord, source: str, accept_difference: bool) -> list[str]:
     """lm-eval options the recipe names that the record was made without: refused unless accepted."""
-    from qserve.gate.lm_eval_args import lm_eval_differences
+    from qserve.spec.lm_eval_args import lm_eval_differences
 
-    named = lm_eval_differences(read_manifest(ckpt).recipe.get("eval"), record.request)
+    named = lm_eval_differences(read_manifest(ckpt).recipe.lm_eval, record.request)
     if named and not accept_difference:
         raise QserveError(
             f"the gate record was made with other lm-eval options than {source} names: {'; '.join(named)} "

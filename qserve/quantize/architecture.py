@@ -11,7 +11,7 @@ from typing import Any
 
 from qserve.errors import QserveError
 from qserve.progress import info
-from qserve.quantize.recipe import Recipe
+from qserve.spec.recipe import Recipe
 from qserve.support.claims import float16_refusal
 
 

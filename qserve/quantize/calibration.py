@@ -16,7 +16,7 @@ from typing import Any
 
 from qserve.errors import QserveError
 from qserve.progress import step
-from qserve.quantize.recipe import CalibrationSpec, DataSource, GenerateSpec
+from qserve.spec.recipe import CalibrationSpec, DataSource, GenerateSpec
 
 FILE_FORMATS = (".jsonl", ".json", ".txt", ".parquet")
 GENERATE_BATCH = 8

@@ -25,8 +25,8 @@ from pathlib import Path
 from qserve.errors import QserveError
 from qserve.progress import info
 from qserve.quantize.experts import check_every_expert_calibrated, sum_records
-from qserve.quantize.recipe import Recipe
 from qserve.runtime.process import ProcessGroup
+from qserve.spec.recipe import Recipe
 
 
 def torchrun_command(job: Path, nproc: int, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None) -> list[str]:

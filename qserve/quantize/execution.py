@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qserve.errors import QserveError
-from qserve.quantize.recipe import Recipe
+from qserve.spec.recipe import Recipe
 
 # Loading a model and writing its compressed copy holds about twice its weights, plus the libraries.
 IN_MEMORY_FACTOR = 2.0

@@ -30,12 +30,12 @@ from qserve.quantize.execution import (
     recipe_calibration_dtype,
     shard_count,
 )
-from qserve.quantize.recipe import DEFAULT_CALIBRATION, CalibrationSpec, Recipe, load_recipe
 from qserve.quantize.recipe_file import make_plain
 from qserve.quantize.sparsity import check_structured_sparsity
 from qserve.runtime.scratch import clean_stale, exchange, scratch_dir
 from qserve.schemes.backends import get_backend
 from qserve.schemes.catalog import SCHEMES
+from qserve.spec.recipe import DEFAULT_CALIBRATION, CalibrationSpec, Recipe, load_recipe
 
 CANDIDATE_GROUP_SIZES = (32, 64, 128, 256)
 
@@ -230,7 +230,7 @@ def _run(job: _Job, partial: Path) -> Manifest:
     manifest = Manifest(
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),
         scheme=scheme.name,
-        recipe=recipe.model_dump(),
+        recipe=recipe,
         recipe_source={"path": str(Path(source.path).resolve()), "sha256": source.sha256},
         source_model={"id": ref.id, "path": str(ref.path), "source": ref.source},
         calibration=calib_record,

@@ -328,7 +328,7 @@ def check_dtype(manifest: Manifest, kind: str, detail: str) -> None:
         reason = CPU_AMX_DTYPE_FIXES.get((manifest.scheme, dtype))
     if reason:
         raise UnsupportedOnDevice(f"{manifest.scheme} with dtype {dtype} cannot run on this machine ({detail}): {reason}")
-    groups = [manifest.recipe.get("group_size"), *(o.get("group_size") for o in manifest.recipe.get("overrides") or [])]
+    groups = [manifest.recipe.group_size, *(o.group_size for o in manifest.recipe.overrides)]
     group = next((g for g in groups if g is not None and g % 2), None)
     if "W4A16" in parts_of(manifest.scheme) and group is not None:
         raise UnsupportedOnDevice(

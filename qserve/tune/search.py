@@ -26,10 +26,10 @@ import yaml
 
 from qserve import paths
 from qserve.errors import InvalidSpec, QserveError
-from qserve.gate.policy import DEFAULT_MIN_RECOVERY
 from qserve.progress import info
-from qserve.quantize.recipe import Recipe, load_recipe
 from qserve.schemes.catalog import SCHEMES, mix_name
+from qserve.spec.gates import DEFAULT_MIN_RECOVERY
+from qserve.spec.recipe import Recipe, load_recipe
 from qserve.tune import report
 from qserve.tune.groups import LayerGroup, targets
 

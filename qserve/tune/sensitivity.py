@@ -16,7 +16,7 @@ from typing import Any
 from qserve import paths
 from qserve.errors import QserveError
 from qserve.progress import count, step
-from qserve.quantize.recipe import Recipe
+from qserve.spec.recipe import Recipe
 from qserve.tune.groups import LayerGroup, layer_groups
 
 HELD_OUT_SEQUENCES = 2  # sequences of the recipe's seq_len: ~500 tokens, a few seconds a pass for 135M on 2 cores

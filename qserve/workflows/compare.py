@@ -18,7 +18,7 @@ from qserve.engines import vllm as engine
 from qserve.evaluate.evaluation import EvalOptions, plan_tasks
 from qserve.gate.schema import EvalRecord
 from qserve.models.sources import baseline_model
-from qserve.quantize.recipe import load_recipe
+from qserve.spec.recipe import load_recipe
 from qserve.workflows.inspection import inspect_checkpoint
 from qserve.workflows.run import checkpoint_for, evaluate_logged
 

@@ -40,7 +40,7 @@ def inspect_checkpoint(checkpoint: str | Path) -> dict[str, Any]:
     return {
         "checkpoint": str(ckpt.resolve()),
         "scheme": manifest.scheme,
-        "recipe": manifest.recipe.get("name"),
+        "recipe": manifest.recipe.name,
         "source_model": manifest.source_model["id"],
         "created_at": manifest.created_at,
         "size_bytes": size,

@@ -29,7 +29,7 @@ def reproduce(checkpoint: str | Path, data_dir: str | Path | None = None, keep: 
     try:
         recipe = scratch / "recipe.yaml"
         execution = manifest.execution or {}
-        recorded = manifest.recipe | (
+        recorded = manifest.recipe.model_dump(mode="json") | (
             {"execution": execution["path"]} if execution.get("path") in ("in_memory", "model_free") else {}
         )
         recipe.write_text(yaml.safe_dump(recorded, sort_keys=False))

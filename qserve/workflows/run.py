@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from qserve.evaluate.evaluation import EvalOptions
     from qserve.gate.schema import EvalRecord
     from qserve.quantize.pipeline import QuantizeOptions
-    from qserve.quantize.recipe import Recipe
+    from qserve.spec.recipe import Recipe
 
 
 def quantize_logged(
@@ -30,7 +30,7 @@ def quantize_logged(
     `gates_checked`: the caller resolved the recipe's gated tasks already (`qserve run`, with its task folder)."""
     from qserve.evaluate.tasks import get_tasks
     from qserve.quantize.pipeline import quantize
-    from qserve.quantize.recipe import load_recipe
+    from qserve.spec.recipe import load_recipe
 
     log = paths.pending_log("quantize", os.getpid())
     with library_output(log, verbose):
@@ -70,7 +70,7 @@ def checkpoint_for(
     `remember`: record it as the last checkpoint made; `reuse`: False quantizes whatever is there (a
     timed cell)."""
     from qserve.quantize.pipeline import QuantizeOptions, default_output
-    from qserve.quantize.recipe import load_recipe
+    from qserve.spec.recipe import load_recipe
 
     checked = loaded is not None
     loaded = loaded or load_recipe(recipe)
@@ -102,12 +102,12 @@ def check_run_before_work(recipe: Path, options: EvalOptions) -> tuple[Recipe, s
     (once, for every step after), its scheme checked against what `qserve serve` serves on this device
     (support/claims.py), and the eval's checks that need no model made (tasks, gates, data, lm-eval's options)."""
     from qserve.evaluate.evaluation import plan_lm_eval, plan_tasks
-    from qserve.quantize.recipe import load_recipe
+    from qserve.spec.recipe import load_recipe
 
     parsed, sha = load_recipe(recipe)
     _check_servable_here(parsed)
     plan_tasks(parsed.gates, options)
-    plan_lm_eval(parsed.eval.model_dump() if parsed.eval else None, options)
+    plan_lm_eval(parsed.lm_eval, options)
     return parsed, sha
 
 
@@ -147,7 +147,7 @@ def reusable_checkpoint(
     from qserve.checkpoint.hashing import model_digest
     from qserve.models.sources import resolve_model
     from qserve.quantize.pipeline import with_default_calibration
-    from qserve.quantize.recipe import load_recipe
+    from qserve.spec.recipe import load_recipe
 
     if not (out / MANIFEST_NAME).is_file():
         return f"no checkpoint at {out} yet"

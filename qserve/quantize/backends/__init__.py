@@ -10,8 +10,8 @@ import importlib
 from pathlib import Path
 from typing import Any, Protocol, cast
 
-from qserve.quantize.recipe import Recipe
 from qserve.schemes.backends import get_backend
+from qserve.spec.recipe import Recipe
 
 
 class BackendRunner(Protocol):

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from qserve.errors import QserveError
-from qserve.quantize.recipe import Recipe
 from qserve.runtime.heap import collection_paused, frozen_heap
 from qserve.schemes.catalog import SCHEMES, scheme_of_checkpoint
+from qserve.spec.recipe import Recipe
 
 
 def build_modifiers(recipe: Recipe, model: Any = None, batch_gptq: bool = False) -> Any:

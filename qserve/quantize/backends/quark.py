@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from qserve.errors import QserveError
-from qserve.quantize.recipe import Recipe
 from qserve.runtime.heap import collection_paused, frozen_heap
 from qserve.schemes.backends import BACKENDS
 from qserve.schemes.catalog import SCHEMES, scheme_of_quark_checkpoint
+from qserve.spec.recipe import Recipe
 
 
 def template_name(model_path: Path, trust_remote_code: bool = False) -> str:

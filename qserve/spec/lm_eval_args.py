@@ -121,11 +121,10 @@ def _seeds(value: str | int | list[Any] | None, name: str) -> Seeds | None:
     return tuple(seeds)  # type: ignore[return-value]
 
 
-def lm_eval_differences(section: dict[str, Any] | None, request: dict[str, Any] | None) -> list[str]:
+def lm_eval_differences(asked: LmEvalArgs, request: dict[str, Any] | None) -> list[str]:
     """Where the options a record was made with (its request's `lm_eval`) differ from those a recipe's eval
-    section names; empty when it names none or they match. For serve: a record made otherwise does not
-    meet a policy that names them."""
-    asked = LmEvalArgs.from_recipe(section)
+    section names (`asked`); empty when it names none or they match. For serve: a record made otherwise
+    does not meet a policy that names them."""
     named = [f.name for f in fields(asked) if getattr(asked, f.name) is not None]
     used = (request or {}).get("lm_eval")
     if not named:

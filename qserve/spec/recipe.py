@@ -10,11 +10,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from qserve.errors import InvalidSpec, QserveError
-from qserve.gate.lm_eval_args import LmEvalArgs
-from qserve.gate.policy import GateSpec
 from qserve.paths import project_data
 from qserve.schemes.backends import ALGORITHMS, BACKENDS
 from qserve.schemes.catalog import MIX_SEPARATOR, QUARK_GROUP_SIZES, SCHEMES, get_scheme, mix_name
+from qserve.spec.gates import GateSpec, shorthand
+from qserve.spec.lm_eval_args import LmEvalArgs
 
 
 class _Strict(BaseModel):
@@ -221,12 +221,7 @@ class Recipe(_Strict):
     @classmethod
     def _gate_shorthand(cls, v: Any) -> Any:
         """`gsm8k: 0.95` means a minimum recovery; one mapping means a one-gate list."""
-        if not isinstance(v, dict):
-            return v
-        as_list = {task: spec if isinstance(spec, list) else [spec] for task, spec in v.items()}
-        return {
-            task: [{"min_recovery": s} if isinstance(s, (int, float)) else s for s in specs] for task, specs in as_list.items()
-        }
+        return {task: shorthand(spec) for task, spec in v.items()} if isinstance(v, dict) else v
 
     @model_validator(mode="after")
     def _consistent(self) -> Recipe:
@@ -316,6 +311,11 @@ class Recipe(_Strict):
         if self.overrides:
             return "overrides are not supported there; use execution in_memory"
         return None
+
+    @property
+    def lm_eval(self) -> LmEvalArgs:
+        """lm-eval's options this recipe names for both models (none named: lm-eval's defaults)."""
+        return self.eval.args() if self.eval else LmEvalArgs()
 
     @property
     def label(self) -> str:

@@ -1,0 +1,134 @@
+"""The gate spec: one gate on one metric of a task (GateSpec), its one parser (a recipe's shorthand, a
+`--gate`, a policy file: `normalize`), the default gate, and the allowance arithmetic every decision
+uses. It lives below checkpoint/ so a manifest's recipe holds its gates typed, and the spec reaches
+serve in the form it was parsed in; serving never imports the evaluation stack for it."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from qserve.errors import InvalidSpec, QserveError
+
+DEFAULT_MIN_RECOVERY = 0.95
+CRITERIA = ("min_recovery", "max_drop", "max_increase")
+
+
+class GateSpec(BaseModel):
+    """One gate on one metric of a task. A bare number in a recipe means min_recovery."""
+
+    model_config = ConfigDict(extra="forbid")
+    metric: str | None = Field(None, description="lm-eval '<metric>,<filter>' key; default: the task's headline metric")
+    min_recovery: float | None = Field(None, gt=0, description="quantized/baseline (baseline/quantized for losses), at most 1")
+    max_drop: float | None = Field(None, ge=0, description="largest allowed degradation in the metric's own units")
+    max_increase: float | None = Field(None, ge=0, description="lower-is-better metrics: largest relative increase (0.05 = 5%)")
+
+    @model_validator(mode="after")
+    def _has_criterion(self) -> GateSpec:
+        if all(getattr(self, c) is None for c in CRITERIA):
+            raise InvalidSpec(f"a gate needs at least one of {', '.join(CRITERIA)}")
+        if self.min_recovery is not None and self.min_recovery > 1:
+            # A negative allowance: the gate would ask the quantized model to beat the baseline.
+            raise InvalidSpec(
+                f"min_recovery {self.min_recovery:g} is above 1, which asks the quantized model to beat the baseline; give at most 1"
+            )
+        return self
+
+    def criteria(self) -> dict[str, float]:
+        return {c: getattr(self, c) for c in CRITERIA if getattr(self, c) is not None}
+
+
+def shorthand(value: object) -> list[object]:
+    """One task's gates as a recipe, a policy file or `--gate` writes them, as a list: a bare number is a
+    minimum recovery, one mapping a one-gate list. Anything else is left for the schema to refuse, with
+    its place in the file."""
+    items = value if isinstance(value, list) else [value]
+    return [{"min_recovery": x} if isinstance(x, (int, float)) and not isinstance(x, bool) else x for x in items]
+
+
+def normalize(value: object) -> list[GateSpec]:
+    """A recipe's or CLI's gate value (number, mapping or list of them) as GateSpecs."""
+    out = []
+    for item in shorthand(value):
+        if isinstance(item, GateSpec):
+            out.append(item)
+        elif isinstance(item, dict):
+            out.append(GateSpec.model_validate(item))
+        else:
+            raise InvalidSpec(f"a gate is a number (minimum recovery) or a mapping of {', '.join(CRITERIA)}; got {item!r}")
+    return out
+
+
+def parse_cli_gates(values: list[str]) -> dict[str, list[GateSpec]]:
+    """`TASK=0.95`, `TASK:max_drop=0.02`, `TASK@acc_norm:min_recovery=0.9`; several per task combine."""
+    merged: dict[tuple[str, str | None], dict] = {}
+    for item in values:
+        head, sep, number = item.partition("=")
+        task, _, criterion = head.partition(":")
+        task, _, metric = task.partition("@")
+        criterion = criterion.strip() or "min_recovery"
+        try:
+            value = float(number)
+        except ValueError:
+            sep = ""
+        if not sep or not task.strip() or criterion not in CRITERIA:
+            raise QserveError(
+                f"--gate {item!r}: expected TASK[@METRIC][:CRITERION]=VALUE with CRITERION one of {', '.join(CRITERIA)}, "
+                "e.g. gsm8k=0.9 or gsm8k_ppl:max_increase=0.05"
+            )
+        key = (task.strip(), _metric_key(metric.strip()) if metric.strip() else None)
+        merged.setdefault(key, {})[criterion] = value
+    out: dict[str, list[GateSpec]] = {}
+    for (task, metric), crit in merged.items():
+        try:
+            out.setdefault(task, []).append(GateSpec(metric=metric, **crit))
+        except ValidationError as exc:
+            raise QserveError(f"--gate for {task}: {exc.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+    return out
+
+
+def _metric_key(metric: str) -> str:
+    return metric if "," in metric else f"{metric},none"
+
+
+# lm-eval metrics whose values are proportions (each item 0/1, or a probability): a mean of them can
+# fall by less than 1, so a max_drop of 1 or more makes a gate that cannot fail.
+PROPORTION_METRICS = frozenset(
+    {"acc", "acc_norm", "acc_mutual_info", "exact_match", "mc1", "mc2", "f1", "em"}
+    | {f"{unit}_level_{kind}_acc" for unit in ("prompt", "inst") for kind in ("strict", "loose")}
+)
+
+
+def check_allowance(task: str, spec: GateSpec, metric: str) -> None:
+    """Refuse, before any work, a criterion the metric can never exceed (a gate that cannot fail)."""
+    name = metric.partition(",")[0]
+    if spec.max_drop is not None and spec.max_drop >= 1 and name in PROPORTION_METRICS:
+        raise InvalidSpec(
+            f"gate on {task}: max_drop={spec.max_drop:g} on {name}, a proportion between 0 and 1, can never fail; "
+            "give a drop below 1 (0.02 is 2 points)"
+        )
+
+
+def allowed_degradation(spec: GateSpec, baseline: float, higher_is_better: bool) -> float | None:
+    """The tightest allowance the spec's criteria give; None if min_recovery is undefined."""
+    limits = []
+    if spec.min_recovery is not None:
+        if higher_is_better:
+            if baseline == 0:
+                return None
+            limits.append(baseline * (1 - spec.min_recovery))
+        else:
+            limits.append(baseline * (1 / spec.min_recovery - 1))
+    if spec.max_drop is not None:
+        limits.append(spec.max_drop)
+    if spec.max_increase is not None:
+        if higher_is_better:
+            raise QserveError(
+                f"max_increase applies to lower-is-better metrics (perplexity); {spec.metric} is a score: use max_drop"
+            )
+        limits.append(baseline * spec.max_increase)
+    return min(limits)
+
+
+def default_gate() -> list[GateSpec]:
+    """The gate on a task nobody gave one: min_recovery DEFAULT_MIN_RECOVERY on its headline metric."""
+    return [GateSpec(min_recovery=DEFAULT_MIN_RECOVERY)]
