@@ -1,6 +1,6 @@
-"""The gate spec: one gate on one metric of a task (GateSpec), its one parser (a recipe's shorthand, a
-`--gate`, a policy file: `normalize`), the default gate, and the allowance arithmetic every decision
-uses. It lives below checkpoint/ so a manifest's recipe holds its gates typed, and the spec reaches
+"""The gate spec: one gate on one metric of a task (GateSpec), its parsers (`shorthand` for a recipe's and
+a policy file's YAML, `normalize` on top of it for policy files, `parse_cli_gates` for `--gate`), the
+default gate, and the allowance arithmetic every decision uses. It lives below checkpoint/ so a manifest's recipe holds its gates typed, and the spec reaches
 serve in the form it was parsed in; serving never imports the evaluation stack for it."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class GateSpec(BaseModel):
 
 
 def shorthand(value: object) -> list[object]:
-    """One task's gates as a recipe, a policy file or `--gate` writes them, as a list: a bare number is a
+    """One task's gates as a recipe or a policy file writes them, as a list: a bare number is a
     minimum recovery, one mapping a one-gate list. Anything else is left for the schema to refuse, with
     its place in the file."""
     items = value if isinstance(value, list) else [value]
@@ -46,7 +46,8 @@ def shorthand(value: object) -> list[object]:
 
 
 def normalize(value: object) -> list[GateSpec]:
-    """A recipe's or CLI's gate value (number, mapping or list of them) as GateSpecs."""
+    """A policy file's gate value (number, mapping or list of them) as GateSpecs; another kind of value is
+    one error line (a policy file has no schema location to point at)."""
     out = []
     for item in shorthand(value):
         if isinstance(item, GateSpec):
