@@ -133,18 +133,21 @@ def next_k(lo: int, hi: int, n: int) -> int:
 
 
 def run_candidate(recipe_file: Path, out: Path, k: int, options: TuneOptions) -> dict[str, Any]:
-    """Quantize one candidate and gate it in vLLM; its row for the Pareto table."""
+    """Quantize one candidate and gate it in vLLM, through the chain `qserve run` uses (its reuse rule:
+    a candidate a stopped search already made is taken as it is); its row for the Pareto table."""
     from qserve.checkpoint.tensors import quantized_layer_bytes
-    from qserve.evaluate.evaluation import EvalOptions, evaluate
-    from qserve.quantize.pipeline import QuantizeOptions, quantize
+    from qserve.evaluate.evaluation import EvalOptions
     from qserve.workflows.inspection import inspect_checkpoint
+    from qserve.workflows.run import checkpoint_for, evaluate_logged
 
     start = time.monotonic()
     name = recipe_file.stem
-    ckpt = out / name
-    quantize(recipe_file, QuantizeOptions(options.model, ckpt, options.data_dir, force=ckpt.exists(), remember=False))
+    made = checkpoint_for(
+        recipe_file, options.model, out / name, Path(options.data_dir) if options.data_dir else None, remember=False
+    )
+    ckpt = made.path
     asked = EvalOptions(options.tasks, options.limit, data_dir=options.data_dir, measure_decode=True, purpose="tune search")
-    record = evaluate(ckpt, asked)
+    record = evaluate_logged(made, asked)
     gate = record.gates[0]
     return {
         "name": name,
@@ -284,10 +287,11 @@ class _Search:
 
 def _confirm(best: dict[str, Any], tasks: list[str] | None, limit: int | None, data_dir: Any) -> dict[str, Any]:
     """The search's best, gated on the `limit` items after those the search chose it on."""
-    from qserve.evaluate.evaluation import EvalOptions, evaluate
+    from qserve.evaluate.evaluation import EvalOptions
+    from qserve.workflows.run import evaluate_logged
 
     info(f"confirming {best['name']} on held-out items {limit}-{2 * limit - 1} (the search chose it on items 0-{limit - 1})")
-    record = evaluate(best["checkpoint"], EvalOptions(tasks=tasks, limit=limit, data_dir=data_dir, offset=limit))
+    record = evaluate_logged(Path(best["checkpoint"]), EvalOptions(tasks=tasks, limit=limit, data_dir=data_dir, offset=limit))
     gate = record.gates[0]
     info(f"confirmation: {record.verdict.upper()}, recovery {gate.recovery:.4f} on items {limit}-{2 * limit - 1}")
     return {
