@@ -71,10 +71,11 @@ docs: setup
 	$(UV) run --no-sync python -m qserve.compat > docs/patches.md
 	$(UV) run --no-sync python -m qserve.gate.power > docs/benchmark-power.md
 
-# qserve against the raw libraries on this machine, side by side; records the result in
-# docs/benchmarks/ and regenerates docs/benchmarks.md from every recorded machine.
+# qserve against the raw libraries on this machine, side by side, then `make demo` from a fresh clone
+# step by step; records both in docs/benchmarks/ and regenerates docs/benchmarks.md from every machine.
 benchmarks: setup
 	$(UV) run --no-sync qserve bench --suite --work-dir .bench-suite --publish docs
+	$(UV) run --no-sync qserve bench --demo --work-dir .bench-suite --publish docs
 
 # The linter and the formatter own the code's layout (a table laid out by hand says why, in `# fmt: off`).
 lint:

@@ -8,6 +8,7 @@ a pipe) the step's heartbeat line carries the latest count instead, so logs stay
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 import time
@@ -108,6 +109,15 @@ def step(name: str, heartbeat: float = 30.0) -> Iterator[dict]:
         timing["seconds"] = round(time.monotonic() - start, 2)
     _stop_bars()
     info(f"ok {name} ({fmt_seconds(timing['seconds'])})")
+
+
+def step_line(line: str) -> tuple[str, str] | None:
+    """("start", name) for `step`'s opening line, ("ok", name) for its closing one, None for any other
+    line: how a caller reading qserve's output (the demo benchmark) finds the steps."""
+    if line.startswith("> ") and line.endswith(" ..."):
+        return "start", line[2:-4]
+    closing = re.fullmatch(r"ok (.+) \((\d+\.\ds|\d+m\d\ds)\)", line)
+    return ("ok", closing.group(1)) if closing else None
 
 
 def _start_bars() -> None:

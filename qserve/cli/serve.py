@@ -100,12 +100,22 @@ def bench(
             "matmul bound, raw lm-eval and vLLM alone on the same tokens (quantizes W8A8 into --work-dir if needed).",
         ),
     ] = False,
+    demo: Annotated[
+        bool,
+        typer.Option(
+            "--demo",
+            help="Time `make demo` as a newcomer runs it: a fresh clone of this checkout's HEAD, an empty cache, "
+            "until it serves; each step's start and length.",
+        ),
+    ] = False,
     work_dir: Annotated[Path, typer.Option(help="Scratch dir for --suite checkpoints and bench_suite.json.")] = Path(
         "bench-suite"
     ),
     publish: Annotated[
         Path | None,
-        typer.Option(help="With --suite: record the result as DIR/benchmarks/<machine>.json and rewrite DIR/benchmarks.md."),
+        typer.Option(
+            help="With --suite (--demo): record the result as DIR/benchmarks/(demo/)<machine>.json and rewrite DIR/benchmarks.md."
+        ),
     ] = None,
     data_dir: DataDirOpt = None,
     as_json: JsonOpt = False,
@@ -120,7 +130,11 @@ def bench(
       qserve bench --suite --work-dir /tmp/bench
       qserve bench --suite --publish docs      (what `make benchmarks` runs)
       qserve bench --eval-throughput --work-dir /tmp/bench
+      qserve bench --demo --publish docs
     """
+    if demo:
+        typer.echo(_demo(work_dir, data_dir, publish, as_json))
+        return
     if eval_throughput:
         typer.echo(_eval_throughput(work_dir, data_dir, verbose, as_json))
         return
@@ -145,6 +159,18 @@ def bench(
     with library_output(log_file(checkpoint, "bench"), verbose):
         result = run(checkpoint, Load(num_prompts, input_len, output_len, concurrency))
     typer.echo(json.dumps(result, indent=2) if as_json else format_bench(result))
+
+
+def _demo(work_dir: Path, data_dir: Path | None, publish: Path | None, as_json: bool) -> str:
+    from qserve import paths
+    from qserve.bench.demo import markdown, time_demo
+
+    result = time_demo(work_dir, paths.data_dir(data_dir))
+    if publish is not None:
+        from qserve.bench.page import record
+
+        info(f"recorded {record(result, publish, demo=True)}; {publish / 'benchmarks.md'} rewritten")
+    return json.dumps(result, indent=2) if as_json else markdown(result)
 
 
 def _eval_throughput(work_dir: Path, data_dir: Path | None, verbose: bool, as_json: bool) -> str:
