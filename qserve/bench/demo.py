@@ -24,8 +24,8 @@ from qserve.progress import info, step_line
 COMMAND = ["make", "demo"]
 SERVING = "serving "  # serve/server.py's line once the server answers
 TIMEOUT = 1800.0  # seconds: a demo not serving by then is reported as such, not waited for
-# Seconds from `make demo` to serving, fresh clone and empty cache (issue 75): a CPU without a bfloat16
-# kernel computes the baseline in float32 and calibrates in float32.
+# The project's goals, seconds from `make demo` to serving (fresh clone, empty cache): looser on a CPU
+# without a bfloat16 kernel, which computes the baseline and the calibration in float32.
 GOAL_SECONDS = {True: 150.0, False: 200.0}
 
 
