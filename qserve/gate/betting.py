@@ -10,8 +10,7 @@ with wealth 1 and bet on each item in turn:
 
 Each bet depends on the items before it only (it is predictable), and the bounds on l keep every
 factor positive. Assumption: given the items before it, each item's degradation has mean >= delta
-under H0_pass (<= delta under H0_fail); items drawn independently from the task's documents with
-that mean are the usual case. Then K_t is a nonnegative supermartingale and Ville's inequality gives
+under H0_pass (<= delta under H0_fail); the draws below make it hold by construction. Then K_t is a nonnegative supermartingale and Ville's inequality gives
 P(K_t >= 1/alpha at any t) <= alpha (Waudby-Smith and Ramdas, "Estimating means of bounded random
 variables by betting", JRSSB 2024, their testing-by-betting construction with Ville's inequality).
 So the gate passes the first time K_t reaches 1/alpha, fails the first time K'_t does, and stays
@@ -35,37 +34,46 @@ the worst end of the range at most halves the wealth, so one outlier cannot wipe
 The price of a range: when the per-item spread is small next to the range, the truncation, not the
 Kelly bet, sets the bet, and the items a decision needs grow with (hi - delta) / (delta - mean).
 
-Kinds of items (Spec):
-- binary: 0/1 scores, d in {-1, 0, 1}, range [-1, 1], delta = the allowance in points.
-- mean: other per-item scores, with the degradation's range declared (`bounds`).
-- perplexity: corpus word perplexity exp(sum loss / sum words) may rise by a share a at most:
-  exp(sum x_j / sum w_j) <= 1 + a  <=>  sum_j (x_j - log(1 + a) w_j) <= 0, with x_j the quantized
-  model's loss on document j minus the baseline's and w_j its words. So the bet is on
-  d_j = (x_j - log(1 + a) w_j) / W against delta = 0: its mean over documents is <= 0 exactly when
-  the corpus condition holds (for the documents' population). The range comes from a declared cap on
-  a document's loss change per word, |x_j| / w_j <= cap, and W, the task's longest document in words
-  (counted from the texts, as lm-eval counts them, before any score is seen):
-  d_j in [-(cap + c_a), cap - c_a] with c_a = log(1 + a). W is a property of the task, not of the
-  items drawn: a bound taken from the items scored so far would let a later, longer document break
-  the range, and a bet scaled by each document's own length would bet on length, which the corpus
-  condition says nothing about. The default cap, log 2, says a quantized model that doubles (or
-  halves) a document's perplexity is broken on that document whatever the corpus says: a document
-  beyond the cap fails the gate, naming it, before any bet.
+Items are draws, with replacement, from the task's documents (its population, given before any
+score: every doc id, and for perplexity its words counted from the text as lm-eval counts them). The
+k-th draw is fixed by a hash of the seed and k, so the sequence is the same on every call and the
+first N draws are what `--limit N` scores. Drawing makes the assumption above true by construction:
+the draws are independent and each has the population's distribution, whatever order the dataset
+keeps its documents in (by source, length or difficulty), so the guarantee speaks of the task's
+documents, not of a sample's luck. The same document may be drawn again; its scores are known, so a
+repeat costs no evaluation, and once every document is scored the draws go on until a bettor decides
+(the decision then is about the whole test set, exactly).
 
-Items are consumed in a seeded random order (a hash of the seed and the doc id), fixed before any
-score is seen: lm-eval's documents come in the dataset's order (by source, length or difficulty),
-and the order must say nothing about an item's degradation. Items already consumed add nothing, so a
-later call with more items continues the same wealth (Evidence carries it); the seed, the level and
-the spec travel with it and cannot change midway. A decision is final: once a bettor reaches 1/alpha
-the test has stopped, and later items are not consumed.
+Kinds of items (Spec):
+- binary: 0/1 scores, d in {-1, 0, 1}, range [-1, 1], delta = the allowance in points; uniform draws.
+- mean: other per-item scores, with the degradation's range declared (`bounds`); uniform draws.
+- perplexity: corpus word perplexity exp(sum loss / sum words) may rise by a share a at most:
+  sum_j x_j / sum_j w_j <= log(1 + a), with x_j the quantized model's loss on document j minus the
+  baseline's and w_j its words. Documents are drawn with probability proportional to their words
+  (size-biased), and the item is the document's loss change per word, r_j = x_j / w_j: its mean over
+  such draws is sum_j w_j r_j / sum_j w_j = sum x / sum w, the corpus condition itself. So the bet is
+  on r against delta = log(1 + a), in the range [-cap, cap] of a declared cap on a document's loss
+  change per word. Weighting the draws, not the items, keeps every item on the same per-word scale: an
+  item divided by the longest document's length would make the usual document small next to the
+  range, and the truncation, not the Kelly bet, would set the bet (about longest / mean length times
+  the items). The default cap, log 2, says a quantized model that doubles (or halves) a document's
+  perplexity is broken on that document whatever the corpus says: a scored document beyond the cap
+  fails the gate, naming it, before any bet.
+
+Evidence carries the draws consumed, the bettors' state, the seed, the level, the spec and a digest of
+the population; a later call continues from the next draw, draws already consumed add nothing, and
+the seed, the level, the spec and the population cannot change midway. A decision is final: once a
+bettor reaches 1/alpha the test has stopped, and later draws are not consumed.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 import json
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from qserve.gate.spending import ALPHA
@@ -74,6 +82,8 @@ TRUNCATION = 0.5  # c: the paper's suggested truncation (the docstring says why)
 DEFAULT_CAP = math.log(2)  # perplexity: a document whose perplexity doubles or halves fails the gate
 KINDS = ("binary", "mean", "perplexity")
 NAMED = 5  # documents a failure names at most
+MAX_DRAWS = 100_000  # draws one call makes at most once every document is scored
+BLOCK = 1024  # draws made at a time
 
 
 @dataclass(frozen=True)
@@ -86,7 +96,6 @@ class Spec:
     higher_is_better: bool = True  # binary and mean: which way the score is better
     bounds: tuple[float, float] | None = None  # mean: the declared range of a per-item degradation
     cap: float = DEFAULT_CAP  # perplexity: the largest |loss change| per word a document may show
-    max_words: int | None = None  # perplexity: the task's longest document, in words
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -103,12 +112,9 @@ class Spec:
             if self.bounds is None:
                 raise ValueError("a mean spec needs bounds: the range of a per-item degradation, declared before scoring")
             return float(self.bounds[0]), float(self.bounds[1]), float(self.allowance)
-        if self.max_words is None or self.max_words < 1:
-            raise ValueError("a perplexity spec needs max_words: the task's longest document in words, counted from its text")
         if self.allowance <= 0:
             raise ValueError(f"a perplexity allowance is a relative rise above 0, not {self.allowance}")
-        c = math.log1p(self.allowance)
-        return -(self.cap + c), self.cap - c, 0.0
+        return -float(self.cap), float(self.cap), math.log1p(self.allowance)
 
 
 @dataclass(frozen=True)
@@ -118,12 +124,12 @@ class Evidence:
     seed: int
     alpha: float
     spec: dict[str, Any]
-    items: int = 0
+    population: str  # digest of the doc ids and their weights the draws come from
+    items: int = 0  # draws consumed
     sum_d: float = 0.0  # sum of the degradations bet on so far
     sum_sq: float = 0.0  # sum of (d_i - mu_i)^2: the bettor's running variance
     log_wealth_pass: float = 0.0
     log_wealth_fail: float = 0.0
-    consumed: tuple[str, ...] = field(default_factory=tuple)
     decision: str | None = None  # "pass" or "fail" once final
     reason: str | None = None
 
@@ -132,8 +138,7 @@ class Evidence:
 
     @classmethod
     def from_json(cls, text: str) -> Evidence:
-        data = json.loads(text)
-        return cls(**(data | {"consumed": tuple(data["consumed"])}))
+        return cls(**json.loads(text))
 
 
 @dataclass(frozen=True)
@@ -141,42 +146,75 @@ class Decision:
     decision: str  # "pass", "fail" or "inconclusive"
     wealth_pass: float  # against "degradation >= allowance"; a pass needs 1/alpha
     wealth_fail: float  # against "degradation <= allowance"
-    items: int  # consumed over every call so far
+    items: int  # draws consumed over every call so far
     new_items: int  # consumed by this call
     reason: str
     evidence: Evidence
+
+
+class Population:
+    """The documents draws come from: doc id -> weight (words for perplexity, 1 otherwise), fixed
+    before any score is seen; ids as strings, as JSON keeps them."""
+
+    def __init__(self, weights: dict[Any, float] | list[Any]) -> None:
+        pairs = weights.items() if isinstance(weights, dict) else ((i, 1) for i in weights)
+        self.weights = dict(sorted((str(k), float(w)) for k, w in pairs))
+        if not self.weights or any(not (w > 0 and math.isfinite(w)) for w in self.weights.values()):
+            raise ValueError("a population is at least one document, each with a finite weight above 0")
+        self.ids = list(self.weights)
+        cumulative = list(itertools.accumulate(self.weights.values()))
+        self._cut = [c / cumulative[-1] for c in cumulative]
+        self.digest = hashlib.sha256(json.dumps(self.weights, sort_keys=True).encode()).hexdigest()
+
+    def draws(self, seed: int, start: int, count: int) -> list[str]:
+        """Draws start .. start+count-1: draw k is the document whose cumulative weight share first
+        exceeds a uniform fixed by a hash of (seed, k), so any draw is found without the ones before it."""
+        out = []
+        for k in range(start, start + count):
+            u = int.from_bytes(hashlib.sha256(f"{seed}\0{k}".encode()).digest()[:8], "big") / 2**64
+            out.append(self.ids[min(bisect.bisect_right(self._cut, u), len(self.ids) - 1)])
+        return out
 
 
 def decide(
     base: dict[Any, Any],
     quant: dict[Any, Any],
     spec: Spec,
+    population: Population,
     evidence: Evidence | None = None,
     alpha: float = ALPHA,
     order_seed: int | None = None,
+    limit: int | None = None,
 ) -> Decision:
-    """Bet on every item both models scored that `evidence` has not consumed, in the seeded order,
-    until a bettor reaches 1/alpha. Values: binary and mean, the item's score; perplexity, lm-eval's
-    [loglikelihood, words]. `order_seed` must be fixed before any score is seen (default 0, or the
-    evidence's)."""
-    evidence = _start(spec, evidence, alpha, order_seed)
+    """Bet on the draws after those `evidence` consumed, while both models scored the drawn document,
+    until a bettor reaches 1/alpha, `limit` draws in all are consumed, or (every document scored)
+    MAX_DRAWS more. Values: binary and mean, the item's score; perplexity, lm-eval's
+    [loglikelihood, words], the words as the population has them. `order_seed` must be fixed before
+    any score is seen (default 0, or the evidence's)."""
+    evidence = _start(spec, population, evidence, alpha, order_seed)
     if evidence.decision is not None:
         return _decision(evidence, 0)
-    done = set(evidence.consumed)
-    # Doc ids as strings, as JSON keeps them; only items both models scored are paired.
+    # Doc ids as strings, as JSON keeps them; only documents both models scored are paired.
     b, q = ({str(k): v for k, v in side.items()} for side in (base, quant))
-    ids = order((i for i in b if i in q and i not in done), evidence.seed)
-    d, outside = _degradations(spec, [b[i] for i in ids], [q[i] for i in ids])
+    scored = {i: (b[i], q[i]) for i in b if i in q}
+    if unknown := sorted(set(scored) - set(population.weights))[:NAMED]:
+        raise ValueError(f"scored documents outside the population: {', '.join(unknown)}")
+    values, outside = _degradations(spec, population, scored)
     if outside:
-        named = ", ".join(ids[j] for j in outside[:NAMED]) + (" ..." if len(outside) > NAMED else "")
-        why = _outside_why(spec)
-        return _decision(replace(evidence, decision="fail", reason=f"document {named}: {why}"), 0)
-    return _bet(evidence, spec, ids, d)
-
-
-def order(ids, seed: int) -> list[str]:
-    """Doc ids in the seeded order they are consumed in: a hash, so the same id always has the same place."""
-    return sorted(ids, key=lambda i: hashlib.sha256(f"{seed}\0{i}".encode()).digest())
+        named = ", ".join(outside[:NAMED]) + (" ..." if len(outside) > NAMED else "")
+        return _decision(replace(evidence, decision="fail", reason=f"document {named}: {_outside_why(spec)}"), 0)
+    start, state, new = evidence.items, evidence, 0
+    ceiling = limit if limit is not None else start + MAX_DRAWS
+    while state.decision is None and start + new < ceiling:
+        block = population.draws(evidence.seed, start + new, min(BLOCK, ceiling - start - new))
+        usable = list(itertools.takewhile(lambda i: i in values, block))
+        if not usable:
+            break
+        state, consumed = _bet(state, spec, [values[i] for i in usable])
+        new += consumed
+        if len(usable) < len(block):
+            break
+    return _decision(state, new)
 
 
 def wealth_paths(d, lo: float, hi: float, delta: float, start: tuple[float, ...] | None = None) -> dict[str, Any]:
@@ -204,59 +242,52 @@ def wealth_paths(d, lo: float, hi: float, delta: float, start: tuple[float, ...]
     return {"sum_d": sums, "sum_sq": sq, "log_wealth_pass": log_pass, "log_wealth_fail": log_fail}
 
 
-def perplexity_terms(loss_change, words, spec: Spec):
-    """d_j = (x_j - log(1 + a) w_j) / W for loss changes x_j (nats, quantized minus baseline) and words
-    w_j (numpy arrays of any shape)."""
-    import numpy as np
-
-    c = math.log1p(spec.allowance)
-    return (np.asarray(loss_change, dtype=float) - c * np.asarray(words, dtype=float)) / spec.max_words
-
-
-def _start(spec: Spec, evidence: Evidence | None, alpha: float, seed: int | None) -> Evidence:
-    """The evidence to continue, checked against this call's spec, level and seed."""
+def _start(spec: Spec, population: Population, evidence: Evidence | None, alpha: float, seed: int | None) -> Evidence:
+    """The evidence to continue, checked against this call's spec, population, level and seed."""
     if not 0 < alpha < 1:
         raise ValueError(f"alpha lies in (0, 1), not {alpha}")
     spec_dict = json.loads(json.dumps(asdict(spec)))  # as it reads back from JSON
     if evidence is None:
-        return Evidence(seed=0 if seed is None else int(seed), alpha=alpha, spec=spec_dict)
-    # A level, spec or order chosen after seeing the wealth would be a choice among tests.
-    for what, ours, theirs in (("alpha", alpha, evidence.alpha), ("spec", spec_dict, evidence.spec)):
+        return Evidence(seed=0 if seed is None else int(seed), alpha=alpha, spec=spec_dict, population=population.digest)
+    # A level, spec, population or order chosen after seeing the wealth would be a choice among tests.
+    for what, ours, theirs in (
+        ("alpha", alpha, evidence.alpha),
+        ("spec", spec_dict, evidence.spec),
+        ("population", population.digest, evidence.population),
+    ):
         if ours != theirs:
-            raise ValueError(f"the evidence was gathered at {what} {theirs}, not {ours}: start new evidence for a new test")
+            raise ValueError(f"the evidence was gathered with another {what}: start new evidence for a new test")
     if seed is not None and int(seed) != evidence.seed:
-        raise ValueError(f"the evidence's items were ordered with seed {evidence.seed}, not {seed}")
+        raise ValueError(f"the evidence's draws were made with seed {evidence.seed}, not {seed}")
     return evidence
 
 
-def _degradations(spec: Spec, base: list, quant: list) -> tuple[list[float], list[int]]:
-    """The per-item quantity bet on, and the positions of items outside the declared range."""
+def _degradations(spec: Spec, population: Population, scored: dict[str, tuple]) -> tuple[dict[str, float], list[str]]:
+    """Each scored document's quantity bet on, and the documents outside the declared range."""
     lo, hi, _ = spec.bet_range()
-    d, outside = [], []
-    for j, (b, q) in enumerate(zip(base, quant)):
+    values, outside = {}, []
+    for doc, (b, q) in scored.items():
         if spec.kind == "perplexity":
-            value, ok = _perplexity_term(spec, b, q)
+            value = _per_word_change(b, q, population.weights[doc])
         else:
             if spec.kind == "binary" and not {float(b), float(q)} <= {0.0, 1.0}:
                 raise ValueError(f"a binary spec takes 0/1 scores, not {b!r} and {q!r}")
             value = float(b) - float(q) if spec.higher_is_better else float(q) - float(b)
-            ok = math.isfinite(value) and lo <= value <= hi
-        d.append(value)
-        if not ok:
-            outside.append(j)
-    return d, outside
+        if math.isfinite(value) and lo <= value <= hi:
+            values[doc] = value
+        else:
+            outside.append(doc)
+    return values, sorted(outside)
 
 
-def _perplexity_term(spec: Spec, base: list, quant: list) -> tuple[float, bool]:
-    (ll_base, words), (ll_quant, words_quant) = base, quant
-    if words != words_quant or not 0 < words <= spec.max_words:
+def _per_word_change(base: list, quant: list, words: float) -> float:
+    """A document's loss change per word (quantized minus baseline), from lm-eval's [loglikelihood, words]."""
+    (ll_base, words_base), (ll_quant, words_quant) = base, quant
+    if not words_base == words_quant == words:
         raise ValueError(
-            f"a document's words must be the same for both models and within 1..max_words ({spec.max_words}): "
-            f"{words} and {words_quant}"
+            f"a document's words must be the population's ({words:g}) for both models, not {words_base} and {words_quant}"
         )
-    change = float(ll_base) - float(ll_quant)  # the loss is minus the log-likelihood
-    ok = math.isfinite(change) and abs(change) / words <= spec.cap
-    return (float(perplexity_terms(change, words, spec)) if ok else math.nan), ok
+    return (float(ll_base) - float(ll_quant)) / words  # the loss is minus the log-likelihood
 
 
 def _outside_why(spec: Spec) -> str:
@@ -268,18 +299,17 @@ def _outside_why(spec: Spec) -> str:
     return f"the degradation lies outside the declared range [{lo:g}, {hi:g}] (or is not finite): the test cannot bet on it"
 
 
-def _bet(evidence: Evidence, spec: Spec, ids: list[str], d: list[float]) -> Decision:
-    """Bet on the new items in order; stop at the first item a bettor reaches 1/alpha on."""
+def _bet(evidence: Evidence, spec: Spec, d: list[float]) -> tuple[Evidence, int]:
+    """Bet on the draws' degradations in order; stop at the first a bettor reaches 1/alpha on. The
+    evidence after, and the draws consumed."""
     import numpy as np
 
-    if not ids:
-        return _decision(evidence, 0)
     lo, hi, delta = spec.bet_range()
     start = (evidence.items, evidence.sum_d, evidence.sum_sq, evidence.log_wealth_pass, evidence.log_wealth_fail)
     paths = wealth_paths(d, lo, hi, delta, start)
     threshold = math.log(1 / evidence.alpha)
     crossed = (paths["log_wealth_pass"][1:] >= threshold) | (paths["log_wealth_fail"][1:] >= threshold)
-    k = int(np.argmax(crossed)) + 1 if crossed.any() else len(ids)
+    k = int(np.argmax(crossed)) + 1 if crossed.any() else len(d)
     state = {key: float(paths[key][k]) for key in paths}
     verdict = "pass" if state["log_wealth_pass"] >= threshold else "fail" if state["log_wealth_fail"] >= threshold else None
     total = evidence.items + k
@@ -288,16 +318,15 @@ def _bet(evidence: Evidence, spec: Spec, ids: list[str], d: list[float]) -> Deci
         side = "<" if verdict == "pass" else ">"
         reason = (
             f"the wealth against the mean degradation being {'at or above' if verdict == 'pass' else 'at or below'} "
-            f"the allowance reached 1/alpha = {1 / evidence.alpha:.3g} after {total} items: degradation {side} allowance"
+            f"the allowance reached 1/alpha = {1 / evidence.alpha:.3g} after {total} draws: degradation {side} allowance"
         )
-    new = replace(evidence, items=total, consumed=evidence.consumed + tuple(ids[:k]), decision=verdict, reason=reason, **state)
-    return _decision(new, k)
+    return replace(evidence, items=total, decision=verdict, reason=reason, **state), k
 
 
 def _decision(evidence: Evidence, new_items: int) -> Decision:
     wealth_pass, wealth_fail = math.exp(evidence.log_wealth_pass), math.exp(evidence.log_wealth_fail)
     reason = evidence.reason or (
-        f"neither bettor reached 1/alpha = {1 / evidence.alpha:.3g} after {evidence.items} items "
-        f"(wealth for a pass {wealth_pass:.3g}, for a fail {wealth_fail:.3g}): more items continue the evidence"
+        f"neither bettor reached 1/alpha = {1 / evidence.alpha:.3g} after {evidence.items} draws "
+        f"(wealth for a pass {wealth_pass:.3g}, for a fail {wealth_fail:.3g}): more draws continue the evidence"
     )
     return Decision(evidence.decision or "inconclusive", wealth_pass, wealth_fail, evidence.items, new_items, reason, evidence)
