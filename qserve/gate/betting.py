@@ -217,6 +217,48 @@ def decide(
     return _decision(state, new)
 
 
+def draws_to_decide(
+    values: dict[Any, float],
+    population: Population,
+    spec: Spec,
+    alpha: float = ALPHA,
+    paths: int = 1000,
+    horizon: int = 5000,
+    seed: int = 0,
+) -> dict[str, float]:
+    """How many draws a decision takes if the documents behave as those scored: `paths` simulated
+    sequences of draws from `population` (its weights), each document's degradation as scored
+    (`values`, on the scale bet on: a per-word loss change for perplexity), run through the same
+    bettors up to `horizon` draws. The shares that pass and fail, and the median and 90th percentile
+    draws to a pass among the paths that pass. Documents not scored are left out of the draws (their
+    weights renormalised): the estimate is as good as the scored documents are like the rest."""
+    import numpy as np
+
+    ids = [i for i in population.ids if i in {str(k) for k in values}]
+    if not ids:
+        raise ValueError("no scored document is in the population")
+    by_id = {str(k): float(v) for k, v in values.items()}
+    d = np.array([by_id[i] for i in ids])
+    weights = np.array([population.weights[i] for i in ids])
+    rng = np.random.default_rng(seed)
+    drawn = d[rng.choice(len(ids), size=(horizon, paths), p=weights / weights.sum())]
+    wealth = wealth_paths(drawn, *spec.bet_range())
+    threshold = math.log(1 / alpha)
+    first = {}
+    for side in ("pass", "fail"):
+        hit = wealth[f"log_wealth_{side}"][1:] >= threshold
+        first[side] = np.where(hit.any(0), hit.argmax(0) + 1, horizon + 1)
+    passed = first["pass"] < first["fail"]
+    failed = first["fail"] < first["pass"]
+    to_pass = first["pass"][passed]
+    return {
+        "pass_share": float(passed.mean()),
+        "fail_share": float(failed.mean()),
+        "median_draws_to_pass": float(np.median(to_pass)) if passed.any() else math.inf,
+        "p90_draws_to_pass": float(np.percentile(to_pass, 90)) if passed.any() else math.inf,
+    }
+
+
 def wealth_paths(d, lo: float, hi: float, delta: float, start: tuple[float, ...] | None = None) -> dict[str, Any]:
     """The bettors on degradations `d` (items on axis 0; further axes are independent replicates, as the
     simulations pass them), continuing from `start` = (items, sum_d, sum_sq, log_wealth_pass,
