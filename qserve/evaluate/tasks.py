@@ -10,7 +10,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -20,6 +20,9 @@ from qserve.errors import QserveError
 from qserve.gate.core import Group
 from qserve.paths import project_data
 from qserve.progress import info
+
+if TYPE_CHECKING:
+    from qserve.gate.betting import Population
 
 
 class TaskDef(BaseModel):
@@ -398,3 +401,20 @@ def config_task_manager() -> Any:
     from lm_eval.tasks import TaskManager
 
     return TaskManager(include_defaults=False, metadata={})
+
+
+def task_population(config: dict[str, Any], by_words: bool) -> Population:
+    """The documents the betting test draws from, as lm-eval scores them (a complete `lm_eval_config`):
+    lm-eval's doc ids (the index in its evaluation split), each weighted by its words as lm-eval counts
+    them for word perplexity (`by_words`), else 1. Read from the texts, before any model runs."""
+    from lm_eval.api.task import ConfigurableTask
+
+    from qserve.gate.betting import Population
+
+    task = ConfigurableTask(config=config)
+    docs = list(task.eval_docs)
+    if not docs:
+        raise QserveError(f"task {config['task']} has no documents to evaluate")
+    if not by_words:
+        return Population(list(range(len(docs))))
+    return Population({i: task.count_words(task.doc_to_target(doc)) for i, doc in enumerate(docs)})
