@@ -10,10 +10,10 @@ with wealth 1 and bet on each item in turn:
 
 Each bet depends on the items before it only (it is predictable), and the bounds on l keep every
 factor positive. Assumption: given the items before it, each item's degradation has mean >= delta
-under H0_pass (<= delta under H0_fail); the draws below make it hold by construction. Then K_t is a nonnegative supermartingale and Ville's inequality gives
-P(K_t >= 1/alpha at any t) <= alpha (Waudby-Smith and Ramdas, "Estimating means of bounded random
-variables by betting", JRSSB 2024, their testing-by-betting construction with Ville's inequality).
-So the gate passes the first time K_t reaches 1/alpha, fails the first time K'_t does, and stays
+under H0_pass (<= delta under H0_fail); the draws below make it hold by construction. Then K_t is
+a nonnegative supermartingale and Ville's inequality gives P(K_t >= 1/alpha at any t) <= alpha
+(Waudby-Smith and Ramdas, "Estimating means of bounded random variables by betting", JRSSB 2024,
+their testing-by-betting construction with Ville's inequality). So the gate passes the first time K_t reaches 1/alpha, fails the first time K'_t does, and stays
 inconclusive otherwise; stopping at any look, with batches chosen from the wealth so far, keeps the
 level, so no alpha is spent per look. The level rests on the declared range and on predictability
 alone, for every distribution in the range: no constant of the bettor is set from a simulation.
@@ -36,8 +36,8 @@ Kelly bet, sets the bet, and the items a decision needs grow with (hi - delta) /
 
 Items are draws, with replacement, from the task's documents (its population, given before any
 score: every doc id, and for perplexity its words counted from the text as lm-eval counts them). The
-k-th draw is fixed by a hash of the seed and k, so the sequence is the same on every call and the
-first N draws are what `--limit N` scores. Drawing makes the assumption above true by construction:
+k-th draw is fixed by a hash of the seed and k, so the sequence is the same on every call, and a
+limit of N draws (what `--limit N` is to mean once the gate draws) is the same N on every call. Drawing makes the assumption above true by construction:
 the draws are independent and each has the population's distribution, whatever order the dataset
 keeps its documents in (by source, length or difficulty), so the guarantee speaks of the task's
 documents, not of a sample's luck. The same document may be drawn again; its scores are known, so a
