@@ -13,10 +13,11 @@ factor positive. Assumption: given the items before it, each item's degradation 
 under H0_pass (<= delta under H0_fail); the draws below make it hold by construction. Then K_t is
 a nonnegative supermartingale and Ville's inequality gives P(K_t >= 1/alpha at any t) <= alpha
 (Waudby-Smith and Ramdas, "Estimating means of bounded random variables by betting", JRSSB 2024,
-their testing-by-betting construction with Ville's inequality). So the gate passes the first time K_t reaches 1/alpha, fails the first time K'_t does, and stays
-inconclusive otherwise; stopping at any look, with batches chosen from the wealth so far, keeps the
-level, so no alpha is spent per look. The level rests on the declared range and on predictability
-alone, for every distribution in the range: no constant of the bettor is set from a simulation.
+their testing-by-betting construction with Ville's inequality). So the gate passes the first time
+K_t reaches 1/alpha, fails the first time K'_t does, and stays inconclusive otherwise; stopping at
+any look, with batches chosen from the wealth so far, keeps the level, so no alpha is spent per
+look. The level rests on the declared range and on predictability alone, for every distribution in
+the range: no constant of the bettor is set from a simulation.
 
 The bet is the paper's aGRAPA ("approximate growth rate adapted to the particular alternative", its
 section on GRAPA and aGRAPA): the Kelly bet to second order with plug-in moments,
