@@ -235,10 +235,10 @@ def draws_to_decide(
     weights renormalised): the estimate is as good as the scored documents are like the rest."""
     import numpy as np
 
-    ids = [i for i in population.ids if i in {str(k) for k in values}]
+    by_id = {str(k): float(v) for k, v in values.items()}
+    ids = [i for i in population.ids if i in by_id]
     if not ids:
         raise ValueError("no scored document is in the population")
-    by_id = {str(k): float(v) for k, v in values.items()}
     d = np.array([by_id[i] for i in ids])
     weights = np.array([population.weights[i] for i in ids])
     rng = np.random.default_rng(seed)
