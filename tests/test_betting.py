@@ -217,6 +217,24 @@ def test_normal_differences_decide_within_the_range_s_price() -> None:
     assert medians["perplexity, cap 0.25"] < medians["perplexity, cap log 2"] / 2
 
 
+# Median draws to a pass at half the allowance, measured (seeded) below; asserted with 15 % over them.
+SHAPE_MEDIANS = {"normal": 169, "lognormal-1": 170, "pareto-2.1": 166, "rare-2%": 189}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_perplexity_passes_a_model_at_half_the_allowance_for_every_shape(shape: str) -> None:
+    """Power on the shapes the level is shown on: per-word loss changes with mean half the allowance
+    (+5 %), normal, skewed, heavy-tailed and carried by 2 % of documents, inside the log 2 cap. Every
+    path passes or is still betting (none fails), in a median within 15 % of the measured one and
+    within 250 items (the goal set for centred lognormal losses, met by every shape)."""
+    spec = Spec("perplexity", 0.05)
+    rng = np.random.default_rng([9, SHAPES.index(shape)])
+    population = _population(shape, math.log1p(0.05) / 2, spec.cap, rng)
+    median, fails = _items(_documents(population, rng)(3000, 600), spec)
+    print(f"\nperplexity {shape} at half the allowance: median draws to a pass {median}, fails {fails}")
+    assert fails == 0.0 and median <= min(1.15 * SHAPE_MEDIANS[shape], 250)
+
+
 def test_the_price_of_anytime_validity_against_the_exact_score_test() -> None:
     """0/1 items, 5 % flipping each way, allowance 0.04, both at alpha: the share the exact score test
     passes at a fixed n (one look), against the share of betting paths that passed by n (any looks)."""
