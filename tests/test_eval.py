@@ -143,6 +143,22 @@ def test_parallel_flags_reach_vllms_engine_config(passed_eval, tmp_path: Path) -
     assert (ckpt / EVAL_NAME).read_bytes() == record
 
 
+def test_data_parallel_eval_on_a_cpu_is_refused_before_any_work(passed_eval, tmp_path: Path) -> None:
+    """lm-eval places each `-dp` replica as a Ray task reserving a GPU (its vllm_causallms.py): on this CPU
+    host Ray would wait for one forever (seen: its autoscaler repeating "No available node types can fulfill
+    resource request {'GPU': 1.0, 'CPU': 1.0}" for 10 minutes). Refused before the checkpoint is hashed."""
+    ckpt = copy_checkpoint(passed_eval[0], tmp_path / "ckpt")
+    record, log = (ckpt / EVAL_NAME).read_bytes(), (ckpt / "logs" / "eval.log").read_bytes()
+    proc = run_qserve_in_process("eval", ckpt, "-dp", "2", "--tasks", "gsm8k_ppl", "--limit", "1", "--no-parity")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "error: -dp 2: lm-eval runs each data-parallel replica as a Ray task that reserves 1 GPU, and this host has "
+        "none (vLLM CPU build), so Ray would wait forever; evaluate with -dp 1 "
+        "(`qserve serve CKPT -- --data-parallel-size 2` runs vLLM's own replicas on CPUs)"
+    ]
+    assert (ckpt / EVAL_NAME).read_bytes() == record and (ckpt / "logs" / "eval.log").read_bytes() == log
+
+
 @pytest.mark.slow
 def test_inspect_reports_size_args_and_gate(passed_eval) -> None:
     ckpt, summary = passed_eval

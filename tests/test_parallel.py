@@ -1,7 +1,9 @@
 """Tensor and pipeline parallelism run, here on two CPU processes: vLLM's CPU backend runs each rank as a
 worker process of its `mp` executor; qserve binds one core to each (vLLM's own binding gives each worker a
 NUMA node, and this machine has one). A tiny random-initialised Llama whose 4 heads split in two, FP8
-(data-free, seconds to quantize). Data parallelism goes through Ray, which is not installed here: not run.
+(data-free, seconds to quantize). Data parallelism: vLLM's own (two engine cores) serves here; lm-eval's
+(`qserve eval -dp`, Ray tasks that each reserve a GPU) cannot run on a CPU host and is refused there
+(tests/test_eval.py).
 
 The check is that every layout decides as one process does: the same per-item scores on both models,
 the same gate, the same verdict; and that a server with two workers answers, with the text the one-process
@@ -92,5 +94,39 @@ def test_a_server_with_two_tensor_parallel_workers_answers_as_the_eval_engine_wi
         assert server.ready_line.startswith(f"serving {split_checkpoint.name} at "), server.steps()[-3000:]
         reply = server.client().completions.create(model=split_checkpoint.name, prompt=prompt, temperature=0, max_tokens=8)
         assert reply.choices[0].text == expected
+    finally:
+        server.close()
+
+
+def test_a_server_with_two_data_parallel_replicas_answers_as_one_process_does(split_checkpoint: Path) -> None:
+    """`qserve serve CKPT -- --data-parallel-size 2`: vLLM's own data parallelism, two engine cores each holding
+    the whole model, answers concurrent requests with the one-process engine's greedy text (each replica runs
+    the one-process model; no sum is split across processes)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vllm import SamplingParams
+
+    from qserve.checkpoint.manifest import read_manifest
+    from qserve.device import detect
+    from qserve.engines import vllm as engine
+
+    prompts = ["The capital of France is", "Water boils at", "Once upon a time,", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    with engine.open_engine(split_checkpoint, read_manifest(split_checkpoint).vllm_args, detect.detect_device(), "one") as lm:
+        expected = [o.outputs[0].text for o in lm.model.generate(prompts, params, use_tqdm=False)]
+    server = Server(split_checkpoint, "--skip-gate", "--", "--data-parallel-size", "2")
+    try:
+        assert server.ready_line.startswith(f"serving {split_checkpoint.name} at "), server.steps()[-3000:]
+        client = server.client()
+
+        def ask(prompt: str):
+            return client.completions.create(model=split_checkpoint.name, prompt=prompt, temperature=0, max_tokens=8)
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            replies = list(pool.map(ask, prompts))
+        assert [r.choices[0].text for r in replies] == expected
+        assert all("-dp2-" in r.system_fingerprint for r in replies)  # vLLM names its data-parallel size
+        log = (split_checkpoint / "logs" / "serve.log").read_text()
+        assert "EngineCore_DP0" in log and "EngineCore_DP1" in log
     finally:
         server.close()

@@ -454,6 +454,25 @@ def test_parallel_options_reach_the_engine_keywords() -> None:
     assert parallel_args(1, 1, 4, None) == {"data_parallel_size": 4}
 
 
+def test_data_parallel_on_a_gpu_host_needs_ray_and_one_replica_needs_nothing() -> None:
+    """On a GPU host `-dp 2` is lm-eval's Ray replicas: without Ray (the lock does not hold it) one line says
+    so before any work; one replica is no data parallelism and passes on any host."""
+    import importlib.util
+
+    from qserve.device.detect import Device
+    from qserve.engines import vllm as engine
+    from qserve.errors import QserveError
+
+    assert importlib.util.find_spec("ray") is None  # make setup's environment: Ray is an install of its own
+    with pytest.raises(QserveError) as refused:
+        engine.check_data_parallel(Device("cuda", "2 GPUs").with_parallel({"data_parallel_size": 2}))
+    assert str(refused.value) == (
+        "-dp 2: lm-eval runs each data-parallel replica as a Ray task, and Ray is not installed (pip install 'ray[default]')"
+    )
+    for kind in ("cpu", "cuda"):
+        engine.check_data_parallel(Device(kind, "one replica").with_parallel({"tensor_parallel_size": 2}))
+
+
 def test_cpu_workers_get_a_share_of_the_cores_each_and_a_pipeline_runs_compiled(monkeypatch) -> None:
     """vLLM-CPU binds a worker per NUMA node and refuses more workers than nodes ("Not enough allowed NUMA
     nodes to bind threads of 2 local CPUWorkers"): qserve gives each worker its share of the cores. vLLM

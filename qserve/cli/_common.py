@@ -213,7 +213,13 @@ TensorParallelOpt = Annotated[
 ]
 PipelineParallelOpt = Annotated[int, typer.Option("--pipeline-parallel-size", "-pp", min=1, help="vLLM pipeline stages.")]
 DataParallelOpt = Annotated[
-    int, typer.Option("--data-parallel-size", "-dp", min=1, help="Engine replicas (lm-eval runs them as Ray actors).")
+    int,
+    typer.Option(
+        "--data-parallel-size",
+        "-dp",
+        min=1,
+        help="Engine replicas: lm-eval runs each as a Ray task on its own GPUs (GPU hosts, Ray installed).",
+    ),
 ]
 ExecutorOpt = Annotated[
     str | None,

@@ -157,6 +157,31 @@ def open_engine(
             _shutdown(lm, device)
 
 
+def check_data_parallel(device: Device) -> None:
+    """`-dp N` above 1 goes through lm-eval's data parallelism (lm_eval/models/vllm_causallms.py): each
+    replica is a Ray task declared with `num_gpus=tensor_parallel_size`, so it needs Ray, and on a host
+    without GPUs Ray never finds one to place it on and waits forever (seen here: Ray's autoscaler
+    repeats "No available node types can fulfill resource request {'GPU': 1.0, 'CPU': 1.0}")."""
+    parallel = dict(device.parallel)
+    replicas = parallel.get("data_parallel_size", 1)
+    if replicas <= 1:
+        return
+    if device.kind != "cuda":
+        gpus = parallel.get("tensor_parallel_size", 1)
+        raise QserveError(
+            f"-dp {replicas}: lm-eval runs each data-parallel replica as a Ray task that reserves {gpus} GPU, and "
+            f"this host has none ({device.detail}), so Ray would wait forever; evaluate with -dp 1 "
+            f"(`qserve serve CKPT -- --data-parallel-size {replicas}` runs vLLM's own replicas on CPUs)"
+        )
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        raise QserveError(
+            f"-dp {replicas}: lm-eval runs each data-parallel replica as a Ray task, and Ray is not installed "
+            "(pip install 'ray[default]')"
+        )
+
+
 def in_process(lm: Any) -> bool:
     """Whether this process holds the engine: with data parallelism lm-eval runs each replica as a Ray
     task and never builds `lm.model`, so what reads the engine (parity, KV scales, dtype) cannot."""

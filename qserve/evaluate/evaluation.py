@@ -226,6 +226,8 @@ def _plan(checkpoint: str | Path | Checkpoint | None, options: EvalOptions) -> _
     given = checkpoint if isinstance(checkpoint, Checkpoint) else resolve_checkpoint(checkpoint)
     recipe = given.manifest.recipe if isinstance(given, Checkpoint) else read_manifest(given).recipe
     lm_eval = plan_lm_eval(recipe.lm_eval, options)  # before the files are hashed
+    device = detect.detect_device().with_parallel(options.parallel)
+    engine.check_data_parallel(device)
     opened = open_checkpoint(given)
     ckpt, manifest = opened.path, opened.manifest
     if options.verify_key is not None:
@@ -234,7 +236,6 @@ def _plan(checkpoint: str | Path | Checkpoint | None, options: EvalOptions) -> _
     resolved, specs, configs = plan_tasks(manifest.recipe.gates, options)
     task_defs = resolved.tasks
     _note_fixed_zero_shot(lm_eval, configs)
-    device = detect.detect_device().with_parallel(options.parallel)
     support.check_dtype(manifest, device.kind, device.detail)
     runnable = support.vllm_support(manifest, device.kind)
     if not runnable.runs:
