@@ -97,6 +97,35 @@ def mxfp4a16(tmp_path_factory) -> Path:
     return quantize_in_process(root / "r.yaml", root / "out")
 
 
+@pytest.mark.matrix
+def test_parity_teacher_forces_a_scheme_transformers_runs_only_in_bfloat16_in_bfloat16(mxfp4a16: Path) -> None:
+    """Where vLLM runs MXFP4A16 (a GPU), parity teacher-forces the checkpoint in transformers: in float32
+    compressed-tensors' weights, dequantized into bfloat16, meet float32 activations and transformers fails;
+    the scheme catalog sends it in bfloat16. Here on the CPU: the same transformers code, both ways."""
+    from transformers import AutoTokenizer
+
+    from qserve.engines.in_transformers import teacher_forced
+    from qserve.schemes.catalog import transformers_dtype
+
+    manifest = read_manifest(mxfp4a16)
+    dtype = transformers_dtype(manifest.scheme, manifest.vllm_args.quantization)
+    assert (manifest.scheme, dtype) == ("MXFP4A16", "bfloat16")
+    tokenizer = AutoTokenizer.from_pretrained(mxfp4a16)
+    prompt, tokens = tokenizer("The capital of France is").input_ids, tokenizer(" Paris, and it is").input_ids
+    with pytest.raises(RuntimeError, match="expected m1 and m2 to have the same dtype"):
+        teacher_forced(mxfp4a16, [(prompt, tokens)], dtype="float32")
+    # transformers' own log-probabilities stand in for vLLM's: the divergence must be 0 (the same dtype, the
+    # same kernels), the agreement the share of positions whose token is the row's argmax.
+    (rows,) = teacher_forced(mxfp4a16, [(prompt, tokens)], dtype=dtype)
+    top = [{t: float(r[t])} for r, t in zip(rows, tokens)]
+    result = parity.compare_with_transformers(
+        mxfp4a16, [parity.Generation(prompt, tokens, top)], parity.TOLERANCES["exact"], dtype=dtype
+    )
+    agree = sum(int(r.argmax()) == t for r, t in zip(rows, tokens)) / len(tokens)
+    assert (result["dtype"], result["positions"], result["mean_abs_logprob_diff"]) == ("bfloat16", len(tokens), 0.0)
+    assert result["top1_agreement"] == round(agree, 4)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", matrix_cells(sorted(EXPECTED), SLICE))
 def test_shipped_recipe_quantizes_embedded_model(checkpoints, name: str) -> None:

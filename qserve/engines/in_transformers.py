@@ -62,12 +62,15 @@ def _upcast(model: Any) -> None:
                 param.data = param.data.float()
 
 
-def teacher_forced(model_path: Path, sequences: list[tuple[list[int], list[int]]], trust_remote_code: bool = False) -> list[Any]:
-    """Per (prompt ids, generated ids): transformers' float32 log-probabilities over the vocabulary at
-    each generated position, the generated tokens fed back in (teacher forcing)."""
+def teacher_forced(
+    model_path: Path, sequences: list[tuple[list[int], list[int]]], trust_remote_code: bool = False, dtype: str = "float32"
+) -> list[Any]:
+    """Per (prompt ids, generated ids): transformers' log-probabilities (the model run in `dtype`, the
+    log-softmax in float32) over the vocabulary at each generated position, the generated tokens fed back
+    in (teacher forcing)."""
     import torch
 
-    model = load_checked(model_path, torch.float32, trust_remote_code)
+    model = load_checked(model_path, getattr(torch, dtype), trust_remote_code)
     out = []
     for prompt, tokens in sequences:
         with torch.no_grad():

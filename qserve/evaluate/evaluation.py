@@ -28,7 +28,7 @@ from qserve.gate.records import read_eval, resolve_checkpoint
 from qserve.gate.schema import EvalRecord
 from qserve.models.sources import ModelRef, baseline_model
 from qserve.progress import info, step
-from qserve.schemes.catalog import SCHEMES
+from qserve.schemes.catalog import SCHEMES, transformers_dtype
 from qserve.spec.gates import GateSpec, check_allowance, default_gate
 from qserve.spec.lm_eval_args import LmEvalArgs
 from qserve.support import claims as support
@@ -420,8 +420,10 @@ def _skipped(reason: str) -> dict[str, str]:
 def _parity(ckpt: Path, manifest: Manifest, generations: list) -> dict[str, Any]:
     tolerance = parity.tolerance_for(SCHEMES[manifest.scheme].activations, manifest.vllm_args.kv_cache_dtype)
     baseline = baseline_model(manifest).path  # for the screening KL beside the gate
-    with step("engine parity: transformers teacher-forced on vLLM's greedy tokens") as timing:
-        result = parity.compare_with_transformers(ckpt, generations, tolerance, manifest.vllm_args.trust_remote_code, baseline)
+    dtype = transformers_dtype(manifest.scheme, manifest.vllm_args.quantization)
+    with step(f"engine parity: transformers ({dtype}) teacher-forced on vLLM's greedy tokens") as timing:
+        trust = manifest.vllm_args.trust_remote_code
+        result = parity.compare_with_transformers(ckpt, generations, tolerance, trust, baseline, dtype)
     result["seconds"] = timing["seconds"]
     if result["status"] == "fail":
         info(f"ENGINE PARITY FAILED: vLLM and transformers disagree on this checkpoint ({result['reason']})")

@@ -19,9 +19,7 @@ from qserve.progress import step
 # on CPU has no half-precision path; the baseline stays float32.
 DTYPES = {"compressed-tensors": "bfloat16", "quark": "float32", None: "float32"}
 # On a CPU without a bfloat16 kernel everything runs in float32 (detect.cpu_compute_dtype), but for the
-# compressed-tensors schemes whose weights it dequantizes in bfloat16 at every forward (float32 activations
-# fail there: "expected m1 and m2 to have the same dtype, but got: float != c10::BFloat16").
-DEQUANTIZED_IN_BFLOAT16 = {"MXFP4", "MXFP4A16", "MXFP8", "NVFP4", "NVFP4A16"}
+# schemes transformers can only run in bfloat16 (catalog.transformers_dtype).
 BATCH_SIZE = 8
 
 
@@ -40,12 +38,11 @@ def lm_kwargs(model_path: Path, quantization: str | None, trust_remote_code: boo
 def emulation_dtype(model_path: Path, quantization: str | None) -> str:
     """The dtype transformers emulates the checkpoint (or the baseline, `quantization` None) in."""
     from qserve.checkpoint.manifest import read_manifest
-    from qserve.schemes.catalog import parts_of
+    from qserve.schemes.catalog import transformers_dtype
 
-    dtype = DTYPES.get(quantization, "float32")
-    if quantization == "compressed-tensors" and DEQUANTIZED_IN_BFLOAT16 & set(parts_of(read_manifest(model_path).scheme)):
-        return dtype
-    return cpu_compute_dtype(dtype)
+    if quantization is not None and transformers_dtype(read_manifest(model_path).scheme, quantization) == "bfloat16":
+        return "bfloat16"
+    return cpu_compute_dtype(DTYPES.get(quantization, "float32"))
 
 
 @contextmanager

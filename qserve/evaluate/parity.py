@@ -73,22 +73,24 @@ def compare_with_transformers(
     tolerance: Tolerance,
     trust_remote_code: bool = False,
     baseline: Path | None = None,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
-    """Teacher-force vLLM's tokens through transformers (float32) and measure the divergence. With
-    `baseline`, also the mean KL divergence of the baseline's next-token distributions from the
-    checkpoint's on the same tokens: a screening number beside the gate, never a gate."""
-    quantized = _teacher_forced(checkpoint, generations, trust_remote_code)
-    result = _divergence(quantized, generations, tolerance)
+    """Teacher-force vLLM's tokens through transformers and measure the divergence: the checkpoint in
+    `dtype` (float32, or bfloat16 for the schemes transformers runs only in it: catalog.transformers_dtype),
+    the baseline in float32. With `baseline`, also the mean KL divergence of the baseline's next-token
+    distributions from the checkpoint's on the same tokens: a screening number beside the gate, never a gate."""
+    quantized = _teacher_forced(checkpoint, generations, trust_remote_code, dtype)
+    result = _divergence(quantized, generations, tolerance) | {"dtype": dtype}
     if baseline is not None:
-        result["kl_to_baseline"] = _mean_kl(_teacher_forced(baseline, generations, trust_remote_code), quantized)
+        result["kl_to_baseline"] = _mean_kl(_teacher_forced(baseline, generations, trust_remote_code, "float32"), quantized)
     return result
 
 
-def _teacher_forced(model_path: Path, generations: list[Generation], trust_remote_code: bool) -> list[Any]:
-    """Per generation: transformers' log-probabilities (float32) at each generated position."""
+def _teacher_forced(model_path: Path, generations: list[Generation], trust_remote_code: bool, dtype: str) -> list[Any]:
+    """Per generation: transformers' log-probabilities at each generated position."""
     from qserve.engines.in_transformers import teacher_forced
 
-    return teacher_forced(model_path, [(g.prompt_ids, g.token_ids) for g in generations], trust_remote_code)
+    return teacher_forced(model_path, [(g.prompt_ids, g.token_ids) for g in generations], trust_remote_code, dtype)
 
 
 def _mean_kl(baseline: list[Any], quantized: list[Any]) -> dict[str, Any]:

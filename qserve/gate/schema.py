@@ -49,6 +49,7 @@ class ParityCheck(Check):
     tolerance: ParityTolerance | None = None
     kl_to_baseline: ScreeningKL | None = None  # beside the gate, never part of it
     seconds: float | None = None
+    dtype: str | None = None  # transformers' for the checkpoint (absent in records before it was recorded)
 
 
 class KvCacheCheck(Check):

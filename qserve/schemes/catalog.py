@@ -20,6 +20,10 @@ class Scheme:
     # backend -> that library's own name for the scheme (compressed-tensors preset, Quark template
     # scheme; Quark spells the weight group size into the name)
     backends: dict[str, str] = field(default_factory=dict)
+    # compressed-tensors dequantizes these weights into bfloat16 at every forward in transformers, so
+    # float32 activations fail there ("expected m1 and m2 to have the same dtype, but got: float !=
+    # c10::BFloat16"): transformers runs such a checkpoint in bfloat16 (the fallback, the parity check).
+    bfloat16_in_transformers: bool = False
 
 
 SCHEMES: dict[str, Scheme] = {
@@ -74,6 +78,7 @@ SCHEMES: dict[str, Scheme] = {
             vllm_dtype="bfloat16",
             summary="OCP MXFP4 weights and activations (FP4 E2M1, one E8M0 scale per 32 values)",
             backends={"llmcompressor": "MXFP4", "quark": "mxfp4"},
+            bfloat16_in_transformers=True,
         ),
         Scheme(
             name="MXFP4A16",
@@ -84,6 +89,7 @@ SCHEMES: dict[str, Scheme] = {
             vllm_dtype="bfloat16",
             summary="OCP MXFP4 weights, 16-bit activations",
             backends={"llmcompressor": "MXFP4A16"},
+            bfloat16_in_transformers=True,
         ),
         # The 2026 hardware formats (compressed-tensors presets; vLLM's GPU requirements are in
         # support/claims.py, from vLLM's source).
@@ -106,6 +112,7 @@ SCHEMES: dict[str, Scheme] = {
             vllm_dtype="bfloat16",
             summary="OCP MXFP8 weights and activations (FP8 E4M3, one E8M0 scale per 32 values)",
             backends={"llmcompressor": "MXFP8"},
+            bfloat16_in_transformers=True,
         ),
         Scheme(
             name="NVFP4",
@@ -117,6 +124,7 @@ SCHEMES: dict[str, Scheme] = {
             summary="NVFP4 weights and activations (FP4 E2M1, an FP8 scale per 16 values and a global scale; "
             "activation global scales calibrated)",
             backends={"llmcompressor": "NVFP4"},
+            bfloat16_in_transformers=True,
         ),
         Scheme(
             name="NVFP4A16",
@@ -127,6 +135,7 @@ SCHEMES: dict[str, Scheme] = {
             vllm_dtype="bfloat16",
             summary="NVFP4 weights (FP4 E2M1, an FP8 scale per 16 values and a global scale), 16-bit activations",
             backends={"llmcompressor": "NVFP4A16"},
+            bfloat16_in_transformers=True,
         ),
         Scheme(
             name="W4AFP8",
@@ -162,6 +171,15 @@ def mix_name(schemes: list[str]) -> str:
     order = list(SCHEMES)
     unique = sorted(set(schemes), key=order.index)
     return MIX_SEPARATOR.join(unique)
+
+
+def transformers_dtype(scheme: str, quantization: str | None, dtype: str = "float32") -> str:
+    """The dtype transformers runs a checkpoint of `scheme` in when `dtype` is wanted: bfloat16 for the
+    compressed-tensors schemes it dequantizes into bfloat16 (Scheme.bfloat16_in_transformers)."""
+    parts = [SCHEMES[p] for p in parts_of(scheme) if p in SCHEMES]
+    if quantization == "compressed-tensors" and any(p.bfloat16_in_transformers for p in parts):
+        return "bfloat16"
+    return dtype
 
 
 def parts_of(name: str) -> list[str]:
