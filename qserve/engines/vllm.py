@@ -178,7 +178,7 @@ def check_data_parallel(device: Device) -> None:
     if importlib.util.find_spec("ray") is None:
         raise QserveError(
             f"-dp {replicas}: lm-eval runs each data-parallel replica as a Ray task, and Ray is not installed "
-            "(pip install 'ray[default]')"
+            "(qserve's `ray` extra; make setup DEVICE=cuda installs it)"
         )
 
 
