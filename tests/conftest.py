@@ -325,6 +325,13 @@ def make_keys(directory: Path, name: str) -> tuple[Path, Path]:
     return private, public
 
 
+def expected_order(task: str, size: int) -> list[int]:
+    """--limit's order as docs/gates.md states it, recomputed: doc ids sorted by sha256 of "0<NUL>task<NUL>id"."""
+    import hashlib
+
+    return sorted(range(size), key=lambda i: hashlib.sha256(f"0\0{task}\0{i}".encode()).digest())
+
+
 def copy_checkpoint(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst

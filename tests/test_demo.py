@@ -20,6 +20,7 @@ from conftest import (
     EXPECTED,
     REPO,
     DemoRun,
+    expected_order,
     free_port,
     run_qserve,
     runs_here,
@@ -47,7 +48,11 @@ def test_the_demo_passes_with_margin_and_serves(demo_run: DemoRun) -> None:
         assert (gate["status"], gate["signal"]) == ("pass", True)
         # With margin: the 95 % upper bound of the loss is under half of what the gate allows.
         assert gate["bounds"]["upper"] < gate["bounds"]["allowed"] / 2, gate["reason"]
-    assert f"verdict: PASS on {DEMO_LIMIT} items per task" in demo_run.stdout
+    assert f"verdict: PASS on {DEMO_LIMIT} items per task, a seeded random sample" in demo_run.stdout
+    # --limit scored the first DEMO_LIMIT documents of the seeded order (the rule recomputed here), on both models
+    for task in record["tasks"]:
+        size = len((DATA_DIR / "gsm8k" / "test.jsonl").read_text().splitlines())
+        assert record["doc_ids"][task] == sorted(expected_order(task, size)[:DEMO_LIMIT])
     # One command, each file read once: the checkpoint hashed once, the source model only by quantize.
     steps = [line for line in demo_run.stderr.splitlines() if line.startswith("ok hashing")]
     assert [step.split(" (")[0] for step in steps] == ["ok hashing checkpoint files"], steps

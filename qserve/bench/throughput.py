@@ -47,8 +47,11 @@ def eval_throughput(w8a8_ckpt: Path, data_dir: Path, limit: int = LIMIT) -> dict
 
     manifest, device = read_manifest(w8a8_ckpt), detect.detect_device()
     base = baseline_model(manifest).path
+    from qserve.evaluate.lm_eval_run import Window
+
     config = lm_eval_config(get_tasks([TASK])[0], data_dir)
-    documents = _documents(config, limit)  # read once: every side scores these
+    window = Window.select(limit, 0, [config])  # the items qserve eval --limit scores
+    documents = _documents(config, window.ids[TASK])  # read once: every side scores these
     tokens = prompt_tokens(base, documents)
     flops = peak.flops_per_token(base, context=tokens["mean_context"])
     with step("eval throughput: matmul peaks (float32, bfloat16, int8; torch's and vLLM's kernels)"):
@@ -65,7 +68,7 @@ def eval_throughput(w8a8_ckpt: Path, data_dir: Path, limit: int = LIMIT) -> dict
     rows = {}
     for dtype, (path, args, runs_in) in sides.items():
         bound = peak.bound_tokens_per_second(flops, {part: rates[d] for part, d in runs_in.items()})
-        row = _measure(path, args, device, config, documents, tokens["total"])
+        row = _measure(path, args, device, config, window, documents, tokens["total"])
         rows[dtype] = row | {
             "profile": _vllm_alone_profile(path, args, device, f"{dtype} (profiled)", documents),
             "matmul_gflops": round(rates[dtype], 1),
@@ -102,33 +105,33 @@ def prompt_tokens(model_dir: Path, documents: list[str]) -> dict[str, float]:
     return {"total": sum(counts), "documents": len(counts), "mean_context": sum(counts) / len(counts) / 2}
 
 
-def _documents(config: dict, limit: int) -> list[str]:
-    """The first `limit` documents of the task's test split as it scores them (its doc_to_target,
-    rendered by lm-eval's own template function)."""
+def _documents(config: dict, ids: tuple[int, ...]) -> list[str]:
+    """The documents `ids` of the task's test split as it scores them (its doc_to_target, rendered by
+    lm-eval's own template function)."""
     from lm_eval.utils import apply_template
 
-    lines = Path(config["dataset_kwargs"]["data_files"][config["test_split"]]).read_text().splitlines()[:limit]
-    return [apply_template(config["doc_to_target"], json.loads(line)) for line in lines]
+    lines = Path(config["dataset_kwargs"]["data_files"][config["test_split"]]).read_text().splitlines()
+    return [apply_template(config["doc_to_target"], json.loads(lines[i])) for i in ids]
 
 
 def _measure(
-    path: Path, args: VllmArgs, device: detect.Device, config: dict, documents: list[str], tokens: int
+    path: Path, args: VllmArgs, device: detect.Device, config: dict, window: Any, documents: list[str], tokens: int
 ) -> dict[str, Any]:
     """Prefill through qserve's lm-eval run, through raw lm-eval's VLLM model with the same keyword
     arguments and through vLLM alone, in turns for ROUNDS rounds, each run on an engine of its own and
     timed around the scoring alone (engine start excluded); the median of each side is its figure.
     Decode is timed once, on the first round's qserve engine."""
-    from qserve.evaluate.lm_eval_run import Subject, Window, run_lm_eval
+    from qserve.evaluate.lm_eval_run import Subject, run_lm_eval
 
     label = f"{args.dtype} {args.quantization or 'unquantized'}"
-    limit, runs, decode = len(documents), {"qserve": [], "raw": [], "alone": []}, None
+    runs, decode = {"qserve": [], "raw": [], "alone": []}, None
     for turn in range(ROUNDS):
         run = run_lm_eval(
-            Subject(path, args, label), device, [config], Window(limit), during=None if turn else throughput.decode_throughput
+            Subject(path, args, label), device, [config], window, during=None if turn else throughput.decode_throughput
         )
         decode = decode or run.extra
         runs["qserve"].append(run.seconds)
-        runs["raw"].append(_raw_lm_eval(path, args, device, label, config, limit))
+        runs["raw"].append(_raw_lm_eval(path, args, device, label, config, window.lm_eval([config["task"]])))
         runs["alone"].append(_vllm_alone(path, args, device, label, documents))
     seconds = {side: statistics.median(times) for side, times in runs.items()}
     return {
@@ -145,13 +148,14 @@ def _measure(
     }
 
 
-def _raw_lm_eval(path: Path, args: VllmArgs, device: detect.Device, label: str, config: dict, limit: int) -> float:
-    """Seconds raw lm-eval's own VLLM class takes over the task, with qserve's engine settings."""
+def _raw_lm_eval(path: Path, args: VllmArgs, device: detect.Device, label: str, config: dict, items: dict[str, Any]) -> float:
+    """Seconds raw lm-eval's own VLLM class takes over the task's `items` (simple_evaluate's keywords), with
+    qserve's engine settings."""
     import lm_eval
 
     with engine.open_engine(path, args, device, f"raw lm-eval, {label}", as_shipped=True) as lm:
         start = time.perf_counter()
-        lm_eval.simple_evaluate(model=lm, tasks=[config], limit=limit, log_samples=True, bootstrap_iters=1000)
+        lm_eval.simple_evaluate(model=lm, tasks=[config], log_samples=True, bootstrap_iters=1000, **items)
         return time.perf_counter() - start
 
 

@@ -53,7 +53,15 @@ TasksOpt = Annotated[
         "Default: the recipe's gated tasks.",
     ),
 ]
-LimitOpt = Annotated[int | None, typer.Option("--limit", "-l", min=1, help="Evaluate only the first N items of each task.")]
+LimitOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--limit",
+        "-l",
+        min=1,
+        help="Evaluate N items of each task: the first N of a seeded random order of its documents, fixed per task, so a larger N keeps a smaller one's items.",
+    ),
+]
 GateOpt = Annotated[
     list[str] | None,
     typer.Option(

@@ -19,7 +19,7 @@ from qserve.engines import flags, kv_scales, throughput
 from qserve.engines import vllm as engine
 from qserve.errors import QserveError
 from qserve.evaluate import baselines, fallback, parity
-from qserve.evaluate.lm_eval_run import EngineRun, Subject, Window, prompting, run_fields, run_lm_eval
+from qserve.evaluate.lm_eval_run import ORDER, EngineRun, Subject, Window, prompting, run_fields, run_lm_eval
 from qserve.evaluate.tasks import Resolved, Task, dataset_copies, datasets_dir, lm_eval_config, resolve_tasks
 from qserve.gate import looks, reports
 from qserve.gate.core import Group, decide_gates
@@ -108,7 +108,7 @@ def evaluate(checkpoint: str | Path | Checkpoint | None = None, options: EvalOpt
     """
     options = options or EvalOptions()
     plan = _plan(checkpoint, options)
-    window = Window(options.limit, options.offset)
+    window = Window.select(options.limit, options.offset, list(plan.configs.values()))
     started = time.monotonic()
     base_side = _baseline_side(plan, window, options.refresh_baseline)
     quant, parity_result, extra = _quantized_run(plan, window, options)
@@ -123,11 +123,17 @@ def evaluate(checkpoint: str | Path | Checkpoint | None = None, options: EvalOpt
         final = Status.FAIL
     outcome = _Outcome(quant, base, decided, final, parity_result, extra)
     summary = _summary(plan, base_side, outcome, options)
-    summary |= {"offset": options.offset, "purpose": options.purpose, "look": look, "request": _request(plan, options)}
+    summary |= {
+        "offset": options.offset,
+        "order": _order(options),
+        "purpose": options.purpose,
+        "look": look,
+        "request": _request(plan, options),
+    }
     summary["prompting"] = prompted
     summary["timings"]["total_seconds"] = round(time.monotonic() - started, 2)
     if options.purpose == "gate":
-        entry = {key: summary[key] for key in ("decided_at", "tasks", "limit", "offset")} | {
+        entry = {key: summary[key] for key in ("decided_at", "tasks", "limit", "offset", "order")} | {
             "verdict": final,
             "level": look["level"],
         }
@@ -157,7 +163,8 @@ def _look(plan: _Plan, options: EvalOptions) -> dict[str, Any]:
     if options.purpose != "gate":
         return {"number": None, "level": looks.level(1), "earlier": [], "counted": False}
     earlier = looks.earlier(plan.manifest, _travelled_history(plan))
-    number, new = looks.number(earlier, {"tasks": [t.name for t in plan.tasks], "limit": options.limit, "offset": options.offset})
+    scored = {"tasks": [t.name for t in plan.tasks], "limit": options.limit, "offset": options.offset, "order": _order(options)}
+    number, new = looks.number(earlier, scored)
     if earlier:
         again = "" if new else f", the same items as look {number}: decided again at its level"
         info(
@@ -170,6 +177,20 @@ def _look(plan: _Plan, options: EvalOptions) -> dict[str, Any]:
         "counted": new,
         "weights": looks.weights_key(plan.manifest),
     }
+
+
+def _order(options: EvalOptions) -> str | None:
+    """How the items were picked: qserve's seeded order when limited (lm_eval_run.ORDER), None for all."""
+    return ORDER if options.limit is not None else None
+
+
+def _doc_ids(plan: _Plan, quant: EngineRun, base: EngineRun) -> dict[str, list[int]]:
+    """Per task, lm-eval's ids of the documents both models scored on the headline metric: the sample a --limit picked."""
+    scored = {}
+    for task in plan.tasks:
+        sides = [set(run.items.get(task.name, {}).get(task.metric) or {}) for run in (quant, base)]
+        scored[task.name] = sorted(int(i) for i in sides[0] & sides[1])
+    return scored
 
 
 def _travelled_history(plan: _Plan) -> list[dict[str, Any]]:
@@ -210,6 +231,7 @@ def _request(plan: _Plan, options: EvalOptions) -> dict[str, Any]:
             "task_configs": {n: baselines.with_data_hashes(c) for n, c in plan.configs.items()},
             "limit": options.limit,
             **({"offset": options.offset} if options.offset else {}),
+            **({"order": ORDER} if options.limit is not None else {}),
             "gates": {n: [s.model_dump() for s in specs] for n, specs in plan.specs.items()},
             "parity": options.check_parity,
             "lm_eval": plan.lm_eval.resolved(),  # simple_evaluate's keywords, the same on both models
@@ -362,6 +384,7 @@ def _summary(plan: _Plan, base_side: _Baseline, outcome: _Outcome, options: Eval
         "tasks": [t.name for t in plan.tasks],
         "groups": plan.groups or None,
         "limit": options.limit,
+        "doc_ids": _doc_ids(plan, quant, base) if options.limit is not None else None,
         "n_samples": {n: (quant.raw.get("n-samples") or {}).get(n) for n in plan.configs},
         "device": asdict(plan.device),
         "engine_args": {

@@ -3,6 +3,7 @@ and per-item values kept for the paired noise estimate."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ from qserve.device import detect
 from qserve.engines import vllm as engine
 from qserve.errors import QserveError
 from qserve.evaluate import fallback
-from qserve.evaluate.tasks import config_task_manager
+from qserve.evaluate.tasks import config_task_manager, task_size
 from qserve.gate import core, stats
 from qserve.gate.stats import ItemValues
 from qserve.progress import step
@@ -51,27 +52,51 @@ class EngineRun:
         )
 
 
+# How --limit picks items, recorded with every limited eval: a change of rule is a change of items.
+ORDER = "sha256(0, task, doc id)"
+ORDER_SEED = 0
+
+
+def item_order(task: str, size: int, seed: int = ORDER_SEED) -> list[int]:
+    """lm-eval's doc ids of `task` (0 .. size-1) in qserve's fixed random order: sorted by a hash of
+    (seed, task, id). The first N are a simple random sample of the task's documents, whatever order
+    its file keeps them in (by source, length or difficulty), and a larger N continues a smaller one."""
+    return sorted(range(size), key=lambda i: hashlib.sha256(f"{seed}\0{task}\0{i}".encode()).digest())
+
+
 @dataclass(frozen=True)
 class Window:
-    """Which items an eval scores: the first `limit` (all if None), or `limit` items from `offset` on."""
+    """Which items an eval scores: all (no limit), or per task the `limit` documents from `offset` on
+    in `item_order` (a held-out set when offset; built by `select`)."""
 
     limit: int | None
     offset: int = 0
+    ids: dict[str, tuple[int, ...]] | None = None  # task -> lm-eval doc ids scored, when limited
 
-    def key(self) -> int | str | None:
-        """For the baseline cache: the plain limit as before, a range when offset."""
-        return self.limit if not self.offset else f"{self.offset}:{self.offset + (self.limit or 0)}"
+    @classmethod
+    def select(cls, limit: int | None, offset: int, configs: list[dict[str, Any]]) -> Window:
+        """The window over these complete task configs; a limit counts each task's documents first."""
+        if limit is None:
+            return cls(None, offset)
+        ids = {c["task"]: tuple(sorted(item_order(c["task"], task_size(c))[offset : offset + limit])) for c in configs}
+        return cls(limit, offset, ids)
+
+    def key(self) -> str | None:
+        """For the baseline cache: which items, by rule and range (None: every document)."""
+        return None if self.limit is None else f"{ORDER}[{self.offset}:{self.offset + self.limit}]"
 
     def describe(self) -> str:
         if self.offset:
-            return f" (items {self.offset}-{self.offset + (self.limit or 0) - 1}, held out)"
-        return f" (limit {self.limit})" if self.limit else ""
+            return f" (items {self.offset}-{self.offset + (self.limit or 0) - 1} of the seeded order, held out)"
+        return f" (limit {self.limit}, a seeded sample)" if self.limit else ""
 
     def lm_eval(self, tasks: list[str]) -> dict[str, Any]:
-        """simple_evaluate's keywords: `limit`, or `samples` (document indices per task) for a window."""
-        if not self.offset:
-            return {"limit": self.limit}
-        return {"samples": {t: list(range(self.offset, self.offset + (self.limit or 0))) for t in tasks}}
+        """simple_evaluate's keywords: `samples` (doc ids per task) when limited, else none."""
+        if self.limit is None:
+            return {}
+        if self.ids is None or set(tasks) - set(self.ids):
+            raise ValueError("a limited window selects each task's items first: build it with Window.select")
+        return {"samples": {t: list(self.ids[t]) for t in tasks}}
 
 
 @dataclass(frozen=True)

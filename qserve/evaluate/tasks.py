@@ -403,6 +403,11 @@ def config_task_manager() -> Any:
     return TaskManager(include_defaults=False, metadata={})
 
 
+def task_size(config: dict[str, Any]) -> int:
+    """How many documents lm-eval evaluates of a task (a complete `lm_eval_config`), read before any model runs."""
+    return len(_eval_docs(config))
+
+
 def task_population(config: dict[str, Any], by_words: bool) -> Population:
     """The documents the betting test draws from, as lm-eval scores them (a complete `lm_eval_config`):
     lm-eval's doc ids (the index in its evaluation split), each weighted by its words as lm-eval counts
@@ -412,9 +417,16 @@ def task_population(config: dict[str, Any], by_words: bool) -> Population:
     from qserve.gate.betting import Population
 
     task = ConfigurableTask(config=config)
-    docs = list(task.eval_docs)
-    if not docs:
-        raise QserveError(f"task {config['task']} has no documents to evaluate")
+    docs = _eval_docs(config, task)
     if not by_words:
         return Population(list(range(len(docs))))
     return Population({i: task.count_words(task.doc_to_target(doc)) for i, doc in enumerate(docs)})
+
+
+def _eval_docs(config: dict[str, Any], task: Any = None) -> list[Any]:
+    from lm_eval.api.task import ConfigurableTask
+
+    docs = list((task or ConfigurableTask(config=config)).eval_docs)
+    if not docs:
+        raise QserveError(f"task {config['task']} has no documents to evaluate")
+    return docs

@@ -7,7 +7,7 @@ alpha-spending sequence whose sum is ALPHA: over any number of looks, a model at
 passed at most 5 % of the time (Bonferroni over the looks, which needs no independence between them).
 
 A look is new evidence, not a new run: a gate run on the same items as an earlier one (the same
-tasks, --limit and offset) is that look again, decided at its level, so it gives the same decision
+tasks, --limit, offset and item order) is that look again, decided at its level, so it gives the same decision
 and spends nothing; a run on more items is one new look on everything it scores.
 
 The history travels with the checkpoint: each eval record holds every look so far, each entry
@@ -96,8 +96,9 @@ def record(manifest: Manifest, look: dict[str, Any]) -> None:
 
 
 def evidence(look: dict[str, Any]) -> str:
-    """What a look scored: its tasks, limit and offset (the same items give the same scores)."""
-    return json.dumps([sorted(look.get("tasks") or []), look.get("limit"), look.get("offset") or 0])
+    """What a look scored: its tasks, limit, offset and item order (the same items give the same scores;
+    a look from before the seeded order, which has none, scored the first items in file order)."""
+    return json.dumps([sorted(look.get("tasks") or []), look.get("limit"), look.get("offset") or 0, look.get("order")])
 
 
 def number(earlier: list[dict[str, Any]], scored: dict[str, Any]) -> tuple[int, bool]:

@@ -46,7 +46,7 @@ def format_table(record: EvalRecord) -> str:
         lines.append("EMULATED: scores come from transformers, not vLLM")
     if _look_line(record):
         lines.append(_look_line(record))
-    limit = f" on {record.limit} items per task" if record.limit else ""
+    limit = f" on {record.limit} items per task{_sampled(record)}" if record.limit else ""
     lines.append(f"verdict: {record.verdict.upper()}{limit}")
     return "\n".join(lines)
 
@@ -83,7 +83,7 @@ def _verdict_section(record: EvalRecord) -> list[str]:
         f"# qserve eval: {Path(record.checkpoint or '').name}",
         "",
         f"**Verdict: {record.verdict.upper()}** (decided {record.decided_at}"
-        + (f", {record.limit} items per task" if record.limit else "")
+        + (f", {record.limit} items per task{_sampled(record)}" if record.limit else "")
         + ")",
         "",
     ]
@@ -179,6 +179,11 @@ def _kl_line(record: EvalRecord) -> str | None:
         f"screening (not a gate): mean KL(baseline || checkpoint) {kl.mean_nats:.4f} nats per token "
         f"over {kl.positions} positions of the parity prompts"
     )
+
+
+def _sampled(record: EvalRecord) -> str:
+    """How a limited eval picked its items: a seeded random sample (record.order), or the file's first ones."""
+    return f", a seeded random sample ({record.order})" if record.order else " (the first in file order)"
 
 
 def _look_line(record: EvalRecord) -> str | None:
