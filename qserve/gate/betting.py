@@ -61,6 +61,14 @@ Kinds of items (Spec):
   perplexity is broken on that document whatever the corpus says: a scored document beyond the cap
   fails the gate, naming it, before any bet.
 
+Without replacement (`wor_paths`): a finite test set's items in the uniformly random order `--limit`
+takes them (evaluate/lm_eval_run.item_order), each once, bet against the mean the remaining items
+would need; Ville's inequality holds the same way and the last item decides exactly. For 0/1 and
+bounded scores it needs fewer items than draws (tests/test_betting_wor.py prints both). For corpus
+perplexity a uniform order must bet on each document's loss change weighted by its length, whose
+range the longest document sets: on GSM8K's answers it needs more documents scored than the
+size-biased draws touch, so perplexity keeps the draws.
+
 Evidence carries the draws consumed, the bettors' state, the seed, the level, the spec and a digest of
 the population; a later call continues from the next draw, draws already consumed add nothing, and
 the seed, the level, the spec and the population cannot change midway. A decision is final: once a
@@ -282,6 +290,53 @@ def wealth_paths(d, lo: float, hi: float, delta: float, start: tuple[float, ...]
     bet_fail = np.clip(-kelly, 0.0, TRUNCATION / (delta - lo))
     log_pass = np.cumsum(np.concatenate([head * lp0, np.log1p(bet_pass * (delta - d))]), axis=0)
     log_fail = np.cumsum(np.concatenate([head * lf0, np.log1p(bet_fail * (d - delta))]), axis=0)
+    return {"sum_d": sums, "sum_sq": sq, "log_wealth_pass": log_pass, "log_wealth_fail": log_fail}
+
+
+def wor_paths(d, lo: float, hi: float, delta: float, size: int, start: tuple[float, ...] | None = None) -> dict[str, Any]:
+    """The bettors on items taken without replacement, in a uniformly random order fixed before any
+    score, from a finite population of `size` items whose mean is tested against `delta` (Waudby-Smith
+    and Ramdas, "Confidence sequences for sampling without replacement", NeurIPS 2020). Arrays and
+    `start` as in `wealth_paths`; `size` counts every item, consumed or not.
+
+    Before item t (t - 1 consumed, summing to S), a population mean of delta leaves the remaining
+    items a mean m_t = (size * delta - S) / (size - t + 1), and a uniformly random next item has that
+    mean. Under H0_pass (population mean >= delta) the next item's mean is >= m_t, so the pass
+    bettor's factor 1 + l (m_t - d_t) has mean <= 1, and the fail bettor's 1 + l' (d_t - m_t) likewise
+    under H0_fail: supermartingales again, and Ville's inequality bounds every stopping rule. The bet
+    is aGRAPA's with m_t in place of delta (the running mean predicts the next item's mean as well
+    without replacement as with it), truncated to keep every factor positive over [lo, hi]. Two
+    certainties need no bet: when m_t lies outside [lo, hi] the remaining items cannot bring the mean
+    to delta; and once every item is consumed the mean is known, so the test decides exactly (at
+    exactly delta, neither). Each arrives as an infinite log-wealth."""
+    import numpy as np
+
+    d = np.asarray(d, dtype=float)
+    t0, s0, q0, lp0, lf0 = start or (0, 0.0, 0.0, 0.0, 0.0)
+    if t0 + d.shape[0] > size:
+        raise ValueError(f"{int(t0) + d.shape[0]} items taken without replacement from a population of {size}")
+    rest = d.shape[1:]
+    t = (t0 + np.arange(d.shape[0] + 1, dtype=float)).reshape((-1,) + (1,) * len(rest))
+    head = np.ones((1,) + rest)
+    sums = np.cumsum(np.concatenate([head * s0, d]), axis=0)
+    mean = ((lo + hi) / 2 + sums) / (t + 1)
+    sq = np.cumsum(np.concatenate([head * q0, (d - mean[1:]) ** 2]), axis=0)
+    var = (((hi - lo) / 2) ** 2 + sq) / (t + 1)
+    null = (size * delta - sums[:-1]) / (size - t[:-1])  # m_t: the next item's mean at a population mean of delta
+    gap = null - mean[:-1]
+    kelly = gap / (var[:-1] + gap * gap)
+    tiny = 1e-12 * (hi - lo)  # rounding in m_t: a certainty needs m_t clear of the range
+    with np.errstate(divide="ignore", invalid="ignore"):
+        bet_pass = np.clip(kelly, 0.0, np.where(hi - null > tiny, TRUNCATION / (hi - null), 0.0))
+        bet_fail = np.clip(-kelly, 0.0, np.where(null - lo > tiny, TRUNCATION / (null - lo), 0.0))
+        step_pass = np.where(null > hi + tiny, np.inf, np.log1p(bet_pass * (null - d)))
+        step_fail = np.where(null < lo - tiny, np.inf, np.log1p(bet_fail * (d - null)))
+    log_pass = np.cumsum(np.concatenate([head * lp0, step_pass]), axis=0)
+    log_fail = np.cumsum(np.concatenate([head * lf0, step_fail]), axis=0)
+    done = t == size  # every item consumed: the mean is known
+    exact = sums / size - delta
+    log_pass = np.where(done & (exact < -tiny), np.inf, log_pass)
+    log_fail = np.where(done & (exact > tiny), np.inf, log_fail)
     return {"sum_d": sums, "sum_sq": sq, "log_wealth_pass": log_pass, "log_wealth_fail": log_fail}
 
 

@@ -1,0 +1,173 @@
+"""Betting without replacement (qserve/gate/betting.py `wor_paths`): a finite test set's items in a
+uniformly random order fixed before any score, as `--limit` takes them. Its level at the allowance
+under any stopping rule, on finite populations of every shape the with-replacement bettor is shown
+on, its exact decision once every item is scored, and what it needs against the with-replacement
+bettor. Seeded; each figure is printed (`pytest -s`) and asserted.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pytest
+from conftest import DATA_DIR
+
+from qserve.gate import betting
+from qserve.gate.spending import ALPHA
+
+THRESHOLD = math.log(1 / ALPHA)
+PATHS = 2000
+LIMIT = ALPHA + 3 * math.sqrt(ALPHA * (1 - ALPHA) / PATHS)  # the level plus 3 Monte-Carlo standard errors
+NEVER = np.iinfo(np.int64).max
+SIZE = 1319  # GSM8K's test set
+SHAPES = ("normal", "lognormal-1", "lognormal-2", "pareto-2.1", "rare-1%", "rare-2%", "rare-5%")
+
+
+def _orders(values: np.ndarray, paths: int, rng) -> np.ndarray:
+    """`paths` uniformly random orders of the population (items on axis 0, one order per column)."""
+    return values[np.argsort(rng.random((len(values), paths)), axis=0)]
+
+
+def _first(log_wealth: np.ndarray) -> np.ndarray:
+    hit = log_wealth[1:] >= THRESHOLD
+    return np.where(hit.any(0), hit.argmax(0) + 1, NEVER)
+
+
+def _binary_population(size: int, gained: float, allowance: float) -> np.ndarray:
+    """0/1 differences whose mean is exactly the allowance: lost = gained + allowance, as counts."""
+    g = round(gained * size)
+    lost = g + round(allowance * size)
+    assert (lost - g) / size == allowance
+    return np.concatenate([np.ones(lost), -np.ones(g), np.zeros(size - lost - g)])
+
+
+def _population(shape: str, mean: float, cap: float, size: int, rng) -> np.ndarray:
+    """`size` per-item differences of one shape inside [-cap, cap] whose mean is exactly `mean`."""
+    if shape.startswith("rare-"):  # a share of documents at the cap carries the loss, the rest make the mean exact
+        heavy = round(float(shape[5:-1]) / 100 * size)
+        return np.concatenate([np.full(heavy, cap), np.full(size - heavy, (mean * size - heavy * cap) / (size - heavy))])
+    index = 2.1  # Lomax, as tests/test_betting.py draws it
+    pareto_sd = math.sqrt(index / ((index - 1) ** 2 * (index - 2)))
+    u = {
+        "normal": lambda: mean + mean * rng.standard_normal(size),
+        "lognormal-1": lambda: mean * rng.lognormal(0.0, 1.0, size) / math.exp(0.5),
+        "lognormal-2": lambda: mean * rng.lognormal(0.0, 2.0, size) / math.exp(2.0),
+        "pareto-2.1": lambda: mean + mean * (rng.pareto(index, size) - 1 / (index - 1)) / pareto_sd,
+    }[shape]()
+    u = np.clip(u, -0.95 * cap, 0.95 * cap)
+    u += mean - u.mean()
+    assert np.abs(u).max() <= cap and abs(u.mean() - mean) < 1e-12
+    return u
+
+
+def _false_rates(values: np.ndarray, lo: float, hi: float, delta: float, seed: list[int]) -> tuple[float, float]:
+    """Over PATHS random orders of a population whose mean is exactly delta: how often the pass bettor
+    reaches 1/alpha at any item (the supremum Ville bounds, so every stopping rule's), and the fail bettor."""
+    paths = betting.wor_paths(_orders(values, PATHS, np.random.default_rng(seed)), lo, hi, delta, len(values))
+    return float(np.mean(_first(paths["log_wealth_pass"]) < NEVER)), float(np.mean(_first(paths["log_wealth_fail"]) < NEVER))
+
+
+@pytest.mark.parametrize("allowance", [0.01, 0.04, 0.10])
+@pytest.mark.parametrize("gained", [0.0, 0.05, 0.20, 0.40])
+def test_binary_level_holds_over_every_item_of_a_finite_test_set(allowance: float, gained: float) -> None:
+    values = _binary_population(1000, gained, allowance)
+    passes, fails = _false_rates(values, -1.0, 1.0, allowance, [11, round(allowance * 100), round(gained * 100)])
+    print(f"\nwithout replacement, binary allowance {allowance} gained {gained}: false pass {passes}, false fail {fails}")
+    assert passes <= LIMIT and fails <= LIMIT
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_mean_level_holds_for_every_shape_inside_the_range(shape: str) -> None:
+    """Per-item differences within a declared range of +-log 2 (the perplexity cap), mean exactly the
+    allowance log 1.05: normal, skewed, heavy-tailed, and carried by 1, 2 or 5 % of the items."""
+    delta, cap = math.log1p(0.05), math.log(2)
+    values = _population(shape, delta, cap, SIZE, np.random.default_rng([12, SHAPES.index(shape)]))
+    passes, fails = _false_rates(values, -cap, cap, delta, [13, SHAPES.index(shape)])
+    print(f"\nwithout replacement, {shape} at the allowance: false pass {passes}, false fail {fails}")
+    assert passes <= LIMIT and fails <= LIMIT
+
+
+def test_every_item_scored_decides_exactly() -> None:
+    """Once every item is consumed the mean is known: one item's worth below the allowance passes on
+    every order, one above fails on every order, exactly at it neither."""
+    size = 200
+    for lost, want in ((7, "pass"), (9, "fail"), (8, None)):  # allowance 8 / 200 = 0.04
+        values = np.concatenate([np.ones(lost), np.zeros(size - lost)])
+        paths = betting.wor_paths(_orders(values, 300, np.random.default_rng(14)), -1.0, 1.0, 0.04, size)
+        end = {side: paths[f"log_wealth_{side}"][-1] == np.inf for side in ("pass", "fail")}
+        assert [bool(end[s].all()) for s in ("pass", "fail")] == [want == "pass", want == "fail"]
+        if want is None:
+            assert not (end["pass"].any() or end["fail"].any())
+
+
+def test_a_continued_call_is_the_single_call() -> None:
+    values = _orders(_binary_population(300, 0.05, 0.04), 1, np.random.default_rng(15))[:, 0]
+    whole = betting.wor_paths(values, -1.0, 1.0, 0.04, 300)
+    first = betting.wor_paths(values[:120], -1.0, 1.0, 0.04, 300)
+    state = (120, *(float(first[k][-1]) for k in ("sum_d", "sum_sq", "log_wealth_pass", "log_wealth_fail")))
+    rest = betting.wor_paths(values[120:], -1.0, 1.0, 0.04, 300, start=state)
+    for key in whole:
+        np.testing.assert_allclose(whole[key][120:], rest[key], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="301 items taken without replacement from a population of 300"):
+        betting.wor_paths(np.zeros(181), -1.0, 1.0, 0.04, 300, start=state)
+
+
+def _median_to_pass(paths: dict) -> float:
+    to_pass, to_fail = _first(paths["log_wealth_pass"]), _first(paths["log_wealth_fail"])
+    return float(np.median(np.where(to_pass < to_fail, to_pass, NEVER)))
+
+
+def test_without_replacement_needs_no_more_items_than_with_it() -> None:
+    """0/1 items on GSM8K's 1,319, 5 % lost and 5 % gained, no true loss: items to a pass without
+    replacement (the order --limit takes) against draws with replacement from the same test set. At
+    allowance 4 points both meet the 600-item goal; at 2 points the draws need more than the test set
+    holds (goal 2,400 draws) and without replacement every order passes by its last item."""
+    rng = np.random.default_rng(16)
+    g = round(0.05 * SIZE)
+    values = np.concatenate([np.ones(g), -np.ones(g), np.zeros(SIZE - 2 * g)])
+    medians = {}
+    for allowance in (0.04, 0.02):
+        wor = betting.wor_paths(_orders(values, PATHS, rng), -1.0, 1.0, allowance, SIZE)
+        wr = betting.wealth_paths(values[rng.integers(SIZE, size=(3 * SIZE, PATHS))], -1.0, 1.0, allowance)
+        medians[allowance] = (_median_to_pass(wor), _median_to_pass(wr))
+        assert float(np.mean(_first(wor["log_wealth_pass"]) <= SIZE)) == 1.0  # exact at the end at the latest
+    print(f"\nallowance: (median items to a pass without replacement, with) {medians}")
+    assert medians[0.04][0] <= medians[0.04][1] <= 600
+    assert medians[0.02][0] <= SIZE < medians[0.02][1]
+
+
+def _gsm8k_words() -> np.ndarray:
+    """GSM8K test answers' words, counted as lm-eval's word perplexity counts them (split on whitespace)."""
+    import json
+
+    rows = (DATA_DIR / "gsm8k" / "test.jsonl").read_text().splitlines()
+    return np.array([len(re.split(r"\s+", json.loads(r)["answer"])) for r in rows], dtype=float)
+
+
+def test_corpus_perplexity_in_a_uniform_order_pays_for_its_longest_document() -> None:
+    """The design question for perplexity, on GSM8K's real answer lengths: per-word loss changes normal,
+    sd = the allowance log 1.05, mean half of it, inside the log 2 cap. Size-biased draws with
+    replacement (the module's perplexity test) bet on the per-word change; a uniform order without
+    replacement must bet on each document's loss change minus the allowance's, over the mean length,
+    whose range is the cap times the longest document over the mean. Printed: median items to a pass
+    each way, and the distinct documents the draws touched (what the evals must score)."""
+    rng = np.random.default_rng(17)
+    words = _gsm8k_words()
+    delta, cap = math.log1p(0.05), math.log(2)
+    change = np.clip(delta / 2 + delta * rng.standard_normal(len(words)), -cap, cap)
+    scale = words.mean()
+    per_doc = (change - delta) * words / scale  # its population mean <= 0 iff the corpus ratio <= delta
+    lo, hi = -(cap + delta) * words.max() / scale, (cap - delta) * words.max() / scale
+    wor = betting.wor_paths(_orders(per_doc, 1000, rng), lo, hi, 0.0, len(words))
+    index = rng.choice(len(words), size=(1500, 1000), p=words / words.sum())
+    wr = betting.wealth_paths(change[index], -cap, cap, delta)
+    wr_median = _median_to_pass(wr)
+    touched = float(np.median([len(set(index[: int(wr_median), k])) for k in range(1000)]))
+    print(
+        f"\nGSM8K lengths (mean {scale:.1f}, longest {words.max():.0f} words): median items to a pass, "
+        f"uniform order without replacement {_median_to_pass(wor)}, size-biased draws {wr_median} "
+        f"touching {touched} documents"
+    )
+    assert _median_to_pass(wor) > touched  # the longest document's range costs more than repeats save
