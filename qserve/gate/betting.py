@@ -275,15 +275,7 @@ def wealth_paths(d, lo: float, hi: float, delta: float, start: tuple[float, ...]
     import numpy as np
 
     d = np.asarray(d, dtype=float)
-    t0, s0, q0, lp0, lf0 = start or (0, 0.0, 0.0, 0.0, 0.0)
-    rest = d.shape[1:]
-    t = (t0 + np.arange(d.shape[0] + 1, dtype=float)).reshape((-1,) + (1,) * len(rest))
-    head = np.ones((1,) + rest)
-    # Running sums start from the carried state, so a continued call adds in the same order as one call.
-    sums = np.cumsum(np.concatenate([head * s0, d]), axis=0)
-    mean = ((lo + hi) / 2 + sums) / (t + 1)
-    sq = np.cumsum(np.concatenate([head * q0, (d - mean[1:]) ** 2]), axis=0)
-    var = (((hi - lo) / 2) ** 2 + sq) / (t + 1)
+    t, head, sums, mean, sq, var, (lp0, lf0) = _running(d, lo, hi, start)
     gap = delta - mean[:-1]
     kelly = gap / (var[:-1] + gap * gap)
     bet_pass = np.clip(kelly, 0.0, TRUNCATION / (hi - delta))
@@ -312,16 +304,9 @@ def wor_paths(d, lo: float, hi: float, delta: float, size: int, start: tuple[flo
     import numpy as np
 
     d = np.asarray(d, dtype=float)
-    t0, s0, q0, lp0, lf0 = start or (0, 0.0, 0.0, 0.0, 0.0)
-    if t0 + d.shape[0] > size:
-        raise ValueError(f"{int(t0) + d.shape[0]} items taken without replacement from a population of {size}")
-    rest = d.shape[1:]
-    t = (t0 + np.arange(d.shape[0] + 1, dtype=float)).reshape((-1,) + (1,) * len(rest))
-    head = np.ones((1,) + rest)
-    sums = np.cumsum(np.concatenate([head * s0, d]), axis=0)
-    mean = ((lo + hi) / 2 + sums) / (t + 1)
-    sq = np.cumsum(np.concatenate([head * q0, (d - mean[1:]) ** 2]), axis=0)
-    var = (((hi - lo) / 2) ** 2 + sq) / (t + 1)
+    if (taken := (int(start[0]) if start else 0) + d.shape[0]) > size:
+        raise ValueError(f"{taken} items taken without replacement from a population of {size}")
+    t, head, sums, mean, sq, var, (lp0, lf0) = _running(d, lo, hi, start)
     null = (size * delta - sums[:-1]) / (size - t[:-1])  # m_t: the next item's mean at a population mean of delta
     gap = null - mean[:-1]
     kelly = gap / (var[:-1] + gap * gap)
@@ -338,6 +323,24 @@ def wor_paths(d, lo: float, hi: float, delta: float, size: int, start: tuple[flo
     log_pass = np.where(done & (exact < -tiny), np.inf, log_pass)
     log_fail = np.where(done & (exact > tiny), np.inf, log_fail)
     return {"sum_d": sums, "sum_sq": sq, "log_wealth_pass": log_pass, "log_wealth_fail": log_fail}
+
+
+def _running(d, lo: float, hi: float, start: tuple[float, ...] | None) -> tuple:
+    """The bettors' shared state over items `d`, continuing from `start`: the items consumed after each
+    row, a row of ones, the running sum, the regularised running mean and variance (the docstring's
+    mu_t, s2_t), and the carried log-wealths."""
+    import numpy as np
+
+    t0, s0, q0, lp0, lf0 = start or (0, 0.0, 0.0, 0.0, 0.0)
+    rest = d.shape[1:]
+    t = (t0 + np.arange(d.shape[0] + 1, dtype=float)).reshape((-1,) + (1,) * len(rest))
+    head = np.ones((1,) + rest)
+    # Running sums start from the carried state, so a continued call adds in the same order as one call.
+    sums = np.cumsum(np.concatenate([head * s0, d]), axis=0)
+    mean = ((lo + hi) / 2 + sums) / (t + 1)
+    sq = np.cumsum(np.concatenate([head * q0, (d - mean[1:]) ** 2]), axis=0)
+    var = (((hi - lo) / 2) ** 2 + sq) / (t + 1)
+    return t, head, sums, mean, sq, var, (lp0, lf0)
 
 
 def _start(spec: Spec, population: Population, evidence: Evidence | None, alpha: float, seed: int | None) -> Evidence:
