@@ -15,6 +15,7 @@ import pytest
 from conftest import DATA_DIR
 
 from qserve.gate import betting
+from qserve.gate.betting import Evidence, Population, Spec
 from qserve.gate.spending import ALPHA
 
 THRESHOLD = math.log(1 / ALPHA)
@@ -171,3 +172,81 @@ def test_corpus_perplexity_in_a_uniform_order_pays_for_its_longest_document() ->
         f"touching {touched} documents"
     )
     assert _median_to_pass(wor) > touched  # the longest document's range costs more than repeats save
+
+
+def _by_hand(d: list[float], lo: float, hi: float, delta: float, size: int) -> tuple[float, float]:
+    """The docstring's bettors, one item at a time in plain Python: the log-wealths after the items."""
+    s = sq = log_pass = log_fail = 0.0
+    for t, x in enumerate(d):  # t items consumed before x
+        mean, var = ((lo + hi) / 2 + s) / (t + 1), (((hi - lo) / 2) ** 2 + sq) / (t + 1)
+        m = (size * delta - s) / (size - t)
+        gap = m - mean
+        kelly = gap / (var + gap * gap)
+        log_pass += math.log1p(min(max(kelly, 0.0), 0.5 / (hi - m)) * (m - x))
+        log_fail += math.log1p(min(max(-kelly, 0.0), 0.5 / (m - lo)) * (x - m))
+        s += x
+        sq += (x - (((lo + hi) / 2 + s) / (t + 2))) ** 2
+    return log_pass, log_fail
+
+
+def test_the_bettors_are_the_docstrings_formulas() -> None:
+    rng = np.random.default_rng(18)
+    d = list(np.clip(0.01 + 0.05 * rng.standard_normal(60), -0.3, 0.3))
+    paths = betting.wor_paths(d, -0.3, 0.3, 0.04, 500)
+    assert (paths["log_wealth_pass"][-1], paths["log_wealth_fail"][-1]) == pytest.approx(
+        _by_hand(d, -0.3, 0.3, 0.04, 500), rel=1e-9
+    )
+
+
+def _scored(order: list[int], lost: set[int], gained: set[int]) -> tuple[dict, dict]:
+    base = {i: 1.0 if i in lost else 0.0 for i in order}
+    quant = {i: 1.0 if i in gained else 0.0 for i in order}
+    return base, quant
+
+
+def test_decide_in_order_takes_the_order_and_continues_it() -> None:
+    """`decide` on a population in order: the items in that order while both models scored them, the
+    same decision and items as the bettors on that sequence, and continued evidence is one call."""
+    rng = np.random.default_rng(19)
+    order = [int(i) for i in rng.permutation(1319)]
+    lost, gained = set(order[5::20]), set(order[7::20])  # 5 % each way, no true loss
+    base, quant = _scored(order, lost, gained)
+    spec, population = Spec("binary", 0.04), Population.in_order(order)
+    whole = betting.decide(base, quant, spec, population)
+    d = np.array([base[i] - quant[i] for i in order])
+    paths = betting.wor_paths(d, -1.0, 1.0, 0.04, len(order))
+    assert (whole.decision, whole.items) == ("pass", int(_first(paths["log_wealth_pass"])))
+    assert whole.reason.endswith(f"after {whole.items} items: degradation < allowance")
+    # The first 150 scored (a --limit), then the rest: the evidence carried is the one call's.
+    first = {i: base[i] for i in order[:150]}, {i: quant[i] for i in order[:150]}
+    early = betting.decide(*first, spec, population)
+    assert (early.decision, early.items) == ("inconclusive", 150)
+    later = betting.decide(base, quant, spec, population, Evidence.from_json(early.evidence.to_json()))
+    assert (later.decision, later.items, later.new_items) == (whole.decision, whole.items, whole.items - 150)
+    assert later.wealth_pass == pytest.approx(whole.wealth_pass, rel=1e-9)
+    # A document out of order (not yet reached) adds nothing; an item skipped stops the bet before it.
+    gap = {i: base[i] for i in order[:100] + order[101:200]}, {i: quant[i] for i in order[:100] + order[101:200]}
+    assert betting.decide(*gap, spec, population).items == 100
+
+
+def test_every_item_scored_decides_with_its_reason() -> None:
+    order = list(range(200))
+    base, quant = _scored(order, set(range(7)), set())  # 7 / 200 = 3.5 points lost, allowance 4
+    got = betting.decide(base, quant, Spec("binary", 0.04), Population.in_order(order))
+    assert got.decision == "pass" and got.items <= 200
+    assert got.reason.startswith(f"after {got.items} of the 200 items the rest cannot bring the mean degradation up to")
+
+
+def test_an_order_is_for_binary_and_mean_specs_and_its_own_evidence() -> None:
+    order = list(range(50))
+    population = Population.in_order(order)
+    base, quant = _scored(order, set(), set())
+    with pytest.raises(ValueError, match="no seed, no perplexity"):
+        betting.decide(base, quant, Spec("perplexity", 0.05), population)
+    with pytest.raises(ValueError, match="no seed, no perplexity"):
+        betting.decide(base, quant, Spec("binary", 0.04), population, order_seed=3)
+    drawn = betting.decide(base, quant, Spec("binary", 0.04), Population(order), limit=10).evidence
+    with pytest.raises(ValueError, match="another population"):
+        betting.decide(base, quant, Spec("binary", 0.04), population, drawn)
+    with pytest.raises(ValueError, match="an order names each document once"):
+        Population.in_order([1, 2, 2])

@@ -174,6 +174,18 @@ class Population:
         cumulative = list(itertools.accumulate(self.weights.values()))
         self._cut = [c / cumulative[-1] for c in cumulative]
         self.digest = hashlib.sha256(json.dumps(self.weights, sort_keys=True).encode()).hexdigest()
+        self.order: list[str] | None = None  # set by `in_order`: items taken without replacement
+
+    @classmethod
+    def in_order(cls, ids: list[Any]) -> Population:
+        """Every document of a finite test set in a uniformly random order fixed before any score (as
+        --limit takes them: evaluate/lm_eval_run.item_order): `decide` takes them in it, each once."""
+        population = cls(list(ids))
+        population.order = [str(i) for i in ids]
+        if len(set(population.order)) != len(population.order):
+            raise ValueError("an order names each document once")
+        population.digest = hashlib.sha256(json.dumps({"order": population.order}).encode()).hexdigest()
+        return population
 
     def draws(self, seed: int, start: int, count: int) -> list[str]:
         """Draws start .. start+count-1: draw k is the document whose cumulative weight share first
@@ -199,7 +211,13 @@ def decide(
     until a bettor reaches 1/alpha, `limit` draws in all are consumed, or (every document scored)
     MAX_DRAWS more. Values: binary and mean, the item's score; perplexity, lm-eval's
     [loglikelihood, words], the words as the population has them. `order_seed` must be fixed before
-    any score is seen (default 0, or the evidence's)."""
+    any score is seen (default 0, or the evidence's).
+
+    A population `in_order` is taken without replacement instead: the items after those consumed, in
+    its order, while both models scored them, up to `limit` items or the last (which decides exactly);
+    binary and mean specs only, as corpus perplexity bets on size-biased draws."""
+    if population.order is not None and (spec.kind == "perplexity" or order_seed is not None):
+        raise ValueError("a population in order is taken as it is, for binary and mean specs: no seed, no perplexity")
     evidence = _start(spec, population, evidence, alpha, order_seed)
     if evidence.decision is not None:
         return _decision(evidence, 0)
@@ -212,6 +230,13 @@ def decide(
     if outside:
         named = ", ".join(outside[:NAMED]) + (" ..." if len(outside) > NAMED else "")
         return _decision(replace(evidence, decision="fail", reason=f"document {named}: {_outside_why(spec)}"), 0)
+    if population.order is not None:
+        ahead = population.order[evidence.items : limit if limit is not None else len(population.order)]
+        usable = list(itertools.takewhile(lambda i: i in values, ahead))
+        state, consumed = (
+            _bet(evidence, spec, [values[i] for i in usable], size=len(population.order)) if usable else (evidence, 0)
+        )
+        return _decision(state, consumed)
     start, state, new = evidence.items, evidence, 0
     ceiling = limit if limit is not None else start + MAX_DRAWS
     while state.decision is None and start + new < ceiling:
@@ -400,14 +425,15 @@ def _outside_why(spec: Spec) -> str:
     return f"the degradation lies outside the declared range [{lo:g}, {hi:g}] (or is not finite): the test cannot bet on it"
 
 
-def _bet(evidence: Evidence, spec: Spec, d: list[float]) -> tuple[Evidence, int]:
-    """Bet on the draws' degradations in order; stop at the first a bettor reaches 1/alpha on. The
-    evidence after, and the draws consumed."""
+def _bet(evidence: Evidence, spec: Spec, d: list[float], size: int | None = None) -> tuple[Evidence, int]:
+    """Bet on the items' degradations in order (drawn with replacement, or taken without it from a
+    population of `size`); stop at the first a bettor reaches 1/alpha on. The evidence after, and the
+    items consumed."""
     import numpy as np
 
     lo, hi, delta = spec.bet_range()
     start = (evidence.items, evidence.sum_d, evidence.sum_sq, evidence.log_wealth_pass, evidence.log_wealth_fail)
-    paths = wealth_paths(d, lo, hi, delta, start)
+    paths = wealth_paths(d, lo, hi, delta, start) if size is None else wor_paths(d, lo, hi, delta, size, start)
     threshold = math.log(1 / evidence.alpha)
     crossed = (paths["log_wealth_pass"][1:] >= threshold) | (paths["log_wealth_fail"][1:] >= threshold)
     k = int(np.argmax(crossed)) + 1 if crossed.any() else len(d)
@@ -417,17 +443,23 @@ def _bet(evidence: Evidence, spec: Spec, d: list[float]) -> tuple[Evidence, int]
     reason = None
     if verdict is not None:
         side = "<" if verdict == "pass" else ">"
+        null = "at or above" if verdict == "pass" else "at or below"
         reason = (
-            f"the wealth against the mean degradation being {'at or above' if verdict == 'pass' else 'at or below'} "
-            f"the allowance reached 1/alpha = {1 / evidence.alpha:.3g} after {total} draws: degradation {side} allowance"
+            f"the wealth against the mean degradation being {null} the allowance reached 1/alpha = "
+            f"{1 / evidence.alpha:.3g} after {total} {'draws' if size is None else 'items'}: degradation {side} allowance"
         )
+        if math.isinf(state[f"log_wealth_{verdict}"]):  # a certainty (wor_paths), no bet
+            reason = (
+                f"after {total} of the {size} items the rest cannot bring the mean degradation "
+                f"{'up' if verdict == 'pass' else 'down'} to the allowance: degradation {side} allowance"
+            )
     return replace(evidence, items=total, decision=verdict, reason=reason, **state), k
 
 
 def _decision(evidence: Evidence, new_items: int) -> Decision:
     wealth_pass, wealth_fail = math.exp(evidence.log_wealth_pass), math.exp(evidence.log_wealth_fail)
     reason = evidence.reason or (
-        f"neither bettor reached 1/alpha = {1 / evidence.alpha:.3g} after {evidence.items} draws "
-        f"(wealth for a pass {wealth_pass:.3g}, for a fail {wealth_fail:.3g}): more draws continue the evidence"
+        f"neither bettor reached 1/alpha = {1 / evidence.alpha:.3g} after {evidence.items} items "
+        f"(wealth for a pass {wealth_pass:.3g}, for a fail {wealth_fail:.3g}): more items continue the evidence"
     )
     return Decision(evidence.decision or "inconclusive", wealth_pass, wealth_fail, evidence.items, new_items, reason, evidence)
