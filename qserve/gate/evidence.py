@@ -1,0 +1,107 @@
+"""The gate as a test by betting (a library; `qserve eval` and `qserve gate` do not call it yet): one
+gate spec on one metric, both models' per-item values keyed by lm-eval's doc ids, and the evidence
+so far -> the decision and the evidence to carry (`decide_gate`).
+
+Each criterion of the spec becomes one hypothesis fixed before any score, in the units betting.py
+bets on, so no allowance rests on a measured baseline:
+- scores per item in [0, 1], higher is better (lm-eval's acc, acc_norm, exact_match, f1, ...):
+  `max_drop` a bets on b_i - q_i against a (0/1 scores: the binary spec); `min_recovery` r bets on
+  r b_i - q_i against 0 in [-1, r], since mean q > r mean b is recovery above r, exactly. The items
+  are taken without replacement in the task's seeded order (`Population.in_order`).
+- corpus perplexities (word_perplexity, byte_perplexity; lm-eval's per-document [loglikelihood,
+  count]): `min_recovery` r lets the corpus perplexity rise by 1/r - 1, `max_increase` a by a, on
+  size-biased draws (betting.py says why). `max_drop` in perplexity points would rest on the measured
+  baseline, and is refused.
+Anything else (bits_per_byte, unbounded per-item scores) has no declared range yet and is refused.
+
+A spec with several criteria passes only when every one passes (an intersection-union test: each at
+alpha, so the pass keeps alpha), fails when any fails, and is inconclusive otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from qserve.gate import betting
+from qserve.gate.spending import ALPHA
+from qserve.spec.gates import GateSpec
+
+PERPLEXITIES = ("word_perplexity", "byte_perplexity")
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    status: str  # "pass", "fail" or "inconclusive"
+    criteria: dict[str, betting.Decision]  # criterion -> its test's decision and evidence
+    reason: str
+
+    def evidence(self) -> dict[str, str]:
+        """What a later call continues from: each criterion's evidence as JSON."""
+        return {c: d.evidence.to_json() for c, d in self.criteria.items()}
+
+
+def hypotheses(gate: GateSpec, metric: str, higher_is_better: bool) -> dict[str, tuple[betting.Spec, float]]:
+    """criterion -> (the spec bet on, the factor the baseline's per-item values are scaled by)."""
+    name = metric.partition(",")[0]
+    out: dict[str, tuple[betting.Spec, float]] = {}
+    if name in PERPLEXITIES:
+        if gate.max_drop is not None:
+            raise ValueError(
+                f"max_drop on {name} is in perplexity points of the measured baseline; give max_increase (a share) or min_recovery"
+            )
+        if gate.min_recovery is not None:
+            out["min_recovery"] = betting.Spec("perplexity", 1 / gate.min_recovery - 1), 1.0
+        if gate.max_increase is not None:
+            out["max_increase"] = betting.Spec("perplexity", gate.max_increase), 1.0
+        return out
+    if not higher_is_better or gate.max_increase is not None:
+        raise ValueError(f"{metric}: betting takes per-item scores in [0, 1] where higher is better, or a corpus perplexity")
+    if gate.max_drop is not None:
+        out["max_drop"] = betting.Spec("mean", gate.max_drop, bounds=(-1.0, 1.0)), 1.0
+    if gate.min_recovery is not None:
+        out["min_recovery"] = betting.Spec("mean", 0.0, bounds=(-1.0, gate.min_recovery)), gate.min_recovery
+    return out
+
+
+def decide_gate(
+    base: dict[Any, Any],
+    quant: dict[Any, Any],
+    gate: GateSpec,
+    metric: str,
+    higher_is_better: bool,
+    population: betting.Population,
+    evidence: dict[str, str] | None = None,
+    alpha: float = ALPHA,
+    limit: int | None = None,
+) -> GateDecision:
+    """Decide one gate from the items both models scored. `population`: for scores, the task's doc ids
+    `in_order` (the seeded order --limit takes); for perplexities, doc id -> words (or bytes). `evidence`:
+    an earlier GateDecision.evidence() of the same gate, metric and population."""
+    tests = hypotheses(gate, metric, higher_is_better)
+    if metric.partition(",")[0] not in PERPLEXITIES:
+        _check_scores(metric, base, quant)
+    if evidence is not None and set(evidence) != set(tests):
+        raise ValueError(f"the evidence is of criteria {sorted(evidence)}, this gate's are {sorted(tests)}")
+    decisions = {}
+    for criterion, (spec, scale) in tests.items():
+        carried = betting.Evidence.from_json(evidence[criterion]) if evidence else None
+        scaled = base if scale == 1.0 else {k: scale * float(v) for k, v in base.items()}
+        decisions[criterion] = betting.decide(scaled, quant, spec, population, carried, alpha, limit=limit)
+    return GateDecision(_status(decisions), decisions, "; ".join(f"{c}: {d.reason}" for c, d in decisions.items()))
+
+
+def _status(decisions: dict[str, betting.Decision]) -> str:
+    found = {d.decision for d in decisions.values()}
+    return "fail" if "fail" in found else "pass" if found == {"pass"} else "inconclusive"
+
+
+def _check_scores(metric: str, base: dict[Any, Any], quant: dict[Any, Any]) -> None:
+    """Per-item scores must lie in [0, 1]: the range every bet on them is declared in."""
+    for side, values in (("baseline", base), ("quantized", quant)):
+        outside = [k for k, v in values.items() if not 0.0 <= float(v) <= 1.0]
+        if outside:
+            raise ValueError(
+                f"{metric}: the {side}'s per-item value for document {outside[0]} is {values[outside[0]]}, outside [0, 1]; "
+                "betting needs the range declared before scoring"
+            )

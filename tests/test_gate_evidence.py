@@ -1,0 +1,94 @@
+"""The gate as a test by betting (qserve/gate/evidence.py): each criterion of a gate spec as a
+hypothesis fixed before any score. Expected decisions come from counts computed here; on a test set
+scored in full the test without replacement decides exactly, so the verdict is known in advance."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from qserve.gate.betting import Population, Spec
+from qserve.gate.evidence import decide_gate, hypotheses
+from qserve.spec.gates import GateSpec
+
+SIZE = 1000
+ORDER = random.Random(0).sample(range(SIZE), SIZE)  # a fixed order, as item_order gives one
+
+
+def _scores(base_right: int, quant_right: int) -> tuple[dict, dict]:
+    """0/1 scores: the baseline right on its first `base_right` ids, the quantized model on `quant_right` of those."""
+    base = {i: float(i < base_right) for i in range(SIZE)}
+    quant = {i: float(i < quant_right) for i in range(SIZE)}
+    return base, quant
+
+
+@pytest.mark.parametrize(("quant_right", "status"), [(576, "pass"), (564, "fail")])
+def test_min_recovery_on_a_whole_test_set_is_the_recovery_itself(quant_right: int, status: str) -> None:
+    """Baseline 600 of 1,000 right; recovery 576 / 600 = 0.96 passes a 0.95 gate, 564 / 600 = 0.94 fails it."""
+    base, quant = _scores(600, quant_right)
+    assert (quant_right / 600 > 0.95) == (status == "pass")
+    got = decide_gate(base, quant, GateSpec(min_recovery=0.95), "acc,none", True, Population.in_order(ORDER))
+    assert got.status == status, got.reason
+    assert got.criteria["min_recovery"].items <= SIZE
+
+
+@pytest.mark.parametrize(("quant_right", "status"), [(570, "pass"), (550, "fail")])
+def test_max_drop_in_points(quant_right: int, status: str) -> None:
+    """3 points lost passes a 4-point max_drop, 5 points fails it."""
+    base, quant = _scores(600, quant_right)
+    got = decide_gate(base, quant, GateSpec(max_drop=0.04), "exact_match,strict-match", True, Population.in_order(ORDER))
+    assert got.status == status, got.reason
+
+
+def test_every_criterion_must_pass_and_any_failure_fails() -> None:
+    base, quant = _scores(600, 570)  # recovery 0.95 exactly: not above it; 3 points lost
+    both = decide_gate(base, quant, GateSpec(min_recovery=0.95, max_drop=0.04), "acc,none", True, Population.in_order(ORDER))
+    assert {c: d.decision for c, d in both.criteria.items()} == {"max_drop": "pass", "min_recovery": "inconclusive"}
+    assert both.status == "inconclusive"
+    base, quant = _scores(600, 560)  # recovery 0.933, 4 points lost: exactly the allowance, not beyond it
+    worse = decide_gate(base, quant, GateSpec(min_recovery=0.95, max_drop=0.04), "acc,none", True, Population.in_order(ORDER))
+    assert worse.criteria["min_recovery"].decision == "fail" and worse.status == "fail"
+
+
+def test_perplexity_criteria_are_the_allowed_rise() -> None:
+    specs = hypotheses(GateSpec(min_recovery=0.95, max_increase=0.05), "word_perplexity,none", False)
+    assert specs["min_recovery"][0] == Spec("perplexity", 1 / 0.95 - 1)  # baseline / quantized >= 0.95
+    assert specs["max_increase"][0] == Spec("perplexity", 0.05)
+    with pytest.raises(ValueError, match="max_drop on word_perplexity is in perplexity points of the measured baseline"):
+        hypotheses(GateSpec(max_drop=0.5), "word_perplexity,none", False)
+
+
+@pytest.mark.parametrize(("rise", "status"), [(0.01, "pass"), (0.12, "fail")])
+def test_a_perplexity_gate_decides_on_the_corpus(rise: float, status: str) -> None:
+    """Every document's loss rises by log(1 + rise) nats per word: the corpus perplexity by `rise`
+    exactly, against the 5.26 % a 0.95 recovery allows."""
+    rng = random.Random(1)
+    words = {i: rng.randint(20, 200) for i in range(SIZE)}
+    base = {i: [-2.0 * w, w] for i, w in words.items()}
+    quant = {i: [-(2.0 + math.log1p(rise)) * w, w] for i, w in words.items()}
+    got = decide_gate(base, quant, GateSpec(min_recovery=0.95), "word_perplexity,none", False, Population(words))
+    assert got.status == status, got.reason
+
+
+def test_evidence_continues_by_criterion() -> None:
+    base, quant = _scores(600, 576)
+    population = Population.in_order(ORDER)
+    first = {i: base[i] for i in ORDER[:100]}, {i: quant[i] for i in ORDER[:100]}
+    early = decide_gate(*first, GateSpec(min_recovery=0.95), "acc,none", True, population)
+    assert early.status == "inconclusive" and early.criteria["min_recovery"].items == 100
+    later = decide_gate(base, quant, GateSpec(min_recovery=0.95), "acc,none", True, population, early.evidence())
+    whole = decide_gate(base, quant, GateSpec(min_recovery=0.95), "acc,none", True, population)
+    assert (later.status, later.criteria["min_recovery"].items) == (whole.status, whole.criteria["min_recovery"].items)
+    with pytest.raises(ValueError, match=r"the evidence is of criteria \['min_recovery'\], this gate's are \['max_drop'\]"):
+        decide_gate(base, quant, GateSpec(max_drop=0.04), "acc,none", True, population, early.evidence())
+
+
+def test_scores_outside_the_declared_range_are_refused() -> None:
+    base, quant = _scores(600, 576)
+    quant[3] = 1.5
+    with pytest.raises(ValueError, match=r"f1,none: the quantized's per-item value for document 3 is 1.5, outside \[0, 1\]"):
+        decide_gate(base, quant, GateSpec(max_drop=0.04), "f1,none", True, Population.in_order(ORDER))
+    with pytest.raises(ValueError, match="betting takes per-item scores in"):
+        hypotheses(GateSpec(max_drop=0.1), "bits_per_byte,none", False)
