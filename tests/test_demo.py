@@ -48,7 +48,7 @@ def test_the_demo_passes_with_margin_and_serves(demo_run: DemoRun) -> None:
         assert (gate["status"], gate["signal"]) == ("pass", True)
         # With margin: the 95 % upper bound of the loss is under half of what the gate allows.
         assert gate["bounds"]["upper"] < gate["bounds"]["allowed"] / 2, gate["reason"]
-    assert f"verdict: PASS on {DEMO_LIMIT} items per task, a seeded random sample" in demo_run.stdout
+    assert f"verdict: PASS on {DEMO_LIMIT} items per task, a seeded random sample (sha256(0, task, doc id))" in demo_run.stdout
     # --limit scored the first DEMO_LIMIT documents of the seeded order (the rule recomputed here), on both models
     for task in record["tasks"]:
         size = len((DATA_DIR / "gsm8k" / "test.jsonl").read_text().splitlines())
