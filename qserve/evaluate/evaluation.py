@@ -19,11 +19,12 @@ from qserve.engines import flags, kv_scales, throughput
 from qserve.engines import vllm as engine
 from qserve.errors import QserveError
 from qserve.evaluate import baselines, fallback, parity
-from qserve.evaluate.lm_eval_run import ORDER, EngineRun, Subject, Window, prompting, run_fields, run_lm_eval
+from qserve.evaluate.lm_eval_run import EngineRun, Subject, Window, prompting, run_fields, run_lm_eval
 from qserve.evaluate.tasks import Resolved, Task, dataset_copies, datasets_dir, lm_eval_config, resolve_tasks
 from qserve.gate import looks, reports
 from qserve.gate.core import Group, decide_gates
 from qserve.gate.decisions import Gate, Status, verdict
+from qserve.gate.order import ORDER
 from qserve.gate.records import read_eval, resolve_checkpoint
 from qserve.gate.schema import EvalRecord
 from qserve.models.sources import ModelRef, baseline_model
@@ -180,7 +181,7 @@ def _look(plan: _Plan, options: EvalOptions) -> dict[str, Any]:
 
 
 def _order(options: EvalOptions) -> str | None:
-    """How the items were picked: qserve's seeded order when limited (lm_eval_run.ORDER), None for all."""
+    """How the items were picked: qserve's seeded order when limited (gate/order.ORDER), None for all."""
     return ORDER if options.limit is not None else None
 
 
@@ -231,7 +232,7 @@ def _request(plan: _Plan, options: EvalOptions) -> dict[str, Any]:
             "task_configs": {n: baselines.with_data_hashes(c) for n, c in plan.configs.items()},
             "limit": options.limit,
             **({"offset": options.offset} if options.offset else {}),
-            **({"order": ORDER} if options.limit is not None else {}),
+            **({"order": _order(options)} if options.limit is not None else {}),
             "gates": {n: [s.model_dump() for s in specs] for n, specs in plan.specs.items()},
             "parity": options.check_parity,
             "lm_eval": plan.lm_eval.resolved(),  # simple_evaluate's keywords, the same on both models

@@ -3,7 +3,6 @@ and per-item values kept for the paired noise estimate."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,6 +16,7 @@ from qserve.errors import QserveError
 from qserve.evaluate import fallback
 from qserve.evaluate.tasks import config_task_manager, task_size
 from qserve.gate import core, stats
+from qserve.gate.order import ORDER, item_order
 from qserve.gate.stats import ItemValues
 from qserve.progress import step
 from qserve.spec.lm_eval_args import LmEvalArgs
@@ -50,18 +50,6 @@ class EngineRun:
             float(stderr) if isinstance(stderr, (int, float)) else None,
             self.items.get(task, {}).get(metric),
         )
-
-
-# How --limit picks items, recorded with every limited eval: a change of rule is a change of items.
-ORDER = "sha256(0, task, doc id)"
-ORDER_SEED = 0
-
-
-def item_order(task: str, size: int, seed: int = ORDER_SEED) -> list[int]:
-    """lm-eval's doc ids of `task` (0 .. size-1) in qserve's fixed random order: sorted by a hash of
-    (seed, task, id). The first N are a simple random sample of the task's documents, whatever order
-    its file keeps them in (by source, length or difficulty), and a larger N continues a smaller one."""
-    return sorted(range(size), key=lambda i: hashlib.sha256(f"{seed}\0{task}\0{i}".encode()).digest())
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ Kinds of items (Spec):
   fails the gate, naming it, before any bet.
 
 Without replacement (`wor_paths`): a finite test set's items in the uniformly random order `--limit`
-takes them (evaluate/lm_eval_run.item_order), each once, bet against the mean the remaining items
+takes them (gate/order.item_order), each once, bet against the mean the remaining items
 would need; Ville's inequality holds the same way and the last item decides exactly. For 0/1 and
 bounded scores it needs fewer items than draws (tests/test_betting_wor.py prints both). For corpus
 perplexity a uniform order must bet on each document's loss change weighted by its length, whose
@@ -179,7 +179,7 @@ class Population:
     @classmethod
     def in_order(cls, ids: list[Any]) -> Population:
         """Every document of a finite test set in a uniformly random order fixed before any score (as
-        --limit takes them: evaluate/lm_eval_run.item_order): `decide` takes them in it, each once."""
+        --limit takes them: gate/order.item_order): `decide` takes them in it, each once."""
         population = cls(list(ids))
         population.order = [str(i) for i in ids]
         if len(set(population.order)) != len(population.order):

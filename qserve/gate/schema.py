@@ -165,7 +165,7 @@ class EvalRecord(BaseModel):
     limit: int | None = None
     offset: int = 0
     doc_ids: dict[str, list[int]] | None = None  # per task, lm-eval's ids of the documents a --limit scored
-    order: str | None = None  # how a --limit picked the items (evaluate/lm_eval_run.ORDER); None: every item, or file order
+    order: str | None = None  # how a --limit picked the items (gate/order.ORDER); None: every item, or file order
     n_samples: dict[str, dict[str, int] | None] | None = None
     device: DeviceRecord | None = None
     engine_args: EngineArgs | None = None
