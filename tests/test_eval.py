@@ -91,8 +91,8 @@ def test_reports_agree_with_the_summary(passed_eval) -> None:
 def test_eval_without_evidence_is_inconclusive(passed_eval, tmp_path: Path) -> None:
     """gsm8k_mc at 10 items of the seeded order: the quantized model loses one item the baseline answers
     and gains none (measured here), 10 points against the 3.5 a 0.95 recovery of the baseline's 70 %
-    allows: exceeded, but within the exact bound's noise on 10 items, so inconclusive, and at those
-    flip rates more items would not pass it. The perplexity gate's bound is under its allowance (a
+    allows: exceeded, but 10 items of the task are too few for the bettors to decide, so inconclusive,
+    and at those flip rates more items would not pass it. The perplexity gate's bound is under its allowance (a
     wide one here: how wide the bound on 10 documents is depends on how many looks came before), but
     10 documents are too few for a pass."""
     ckpt = copy_checkpoint(passed_eval[0], tmp_path / "ckpt")  # the shared one keeps its passing record
@@ -121,11 +121,15 @@ def test_eval_without_evidence_is_inconclusive(passed_eval, tmp_path: Path) -> N
     ppl = gates["gsm8k_ppl"]
     assert ppl["bounds"]["upper"] < ppl["bounds"]["allowed"] == pytest.approx(0.5) and ppl["items"] == EVAL_LIMIT
     assert ppl["items_needed"] >= min_items(summary["look"]["level"])
-    assert mc["test"].startswith("exact unconditional score test on discordant items")
+    assert (
+        mc["test"]
+        == "betting without replacement (Waudby-Smith and Ramdas 2020) on 1319 items of the task, in the seeded order, at 5 % over every look"
+    )
     scores = {side: raw[side]["results"]["gsm8k_mc"]["acc,none"] for side in ("baseline", "quantized")}
     assert (scores["baseline"], scores["baseline"] - scores["quantized"]) == pytest.approx((0.7, 0.1))  # lm-eval's own
     assert mc["flips"] == {"lost": 1, "gained": 0} and mc["items_needed"] is None
-    assert mc["reason"].endswith("more items may not decide it (--limit)")
+    assert mc["reason"].endswith("fewer than 4 runs in 5 would pass, even on all 1319 items (simulated) (--limit)")
+    assert mc["evidence"]["criteria"]["min_recovery"]["items"] == EVAL_LIMIT
     # ... and is not served.
     proc = run_qserve("serve", ckpt, "--port", str(free_port()))
     assert proc.returncode == 1

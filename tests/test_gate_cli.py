@@ -16,14 +16,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_qserve_in_process, small_manifest
+from conftest import expected_order, run_qserve_in_process, small_manifest
 from scipy.stats import t as t_dist
 
 from qserve.checkpoint.manifest import EVAL_NAME, MANIFEST_NAME, hash_files, write_manifest
 from qserve.errors import EXIT_GATE_INCONCLUSIVE, QserveError
 
 
-def _run(root: Path, name: str, lls: list[float], words: list[int], exact: list[float]) -> Path:
+def _run(root: Path, name: str, lls: list[float], words: list[int], exact: list[float], qa_size: int | None = None) -> Path:
+    """`qa_size`: qa_task has that many documents and the run scored the first of its seeded order (as
+    `qserve eval --limit` picks them), lm-eval's n-samples saying so; else every document, ids 0, 1, ..."""
     folder = root / name / "org__model"
     folder.mkdir(parents=True)
     ppl = math.exp(-sum(lls) / sum(words))
@@ -38,23 +40,26 @@ def _run(root: Path, name: str, lls: list[float], words: list[int], exact: list[
         },
         "higher_is_better": {"ppl_task": {"word_perplexity": False}, "qa_task": {"exact_match": True}},
     }
+    qa_ids = list(range(len(exact))) if qa_size is None else expected_order("qa_task", qa_size)[: len(exact)]
+    if qa_size is not None:
+        results["n-samples"] = {"qa_task": {"original": qa_size, "effective": len(exact)}}
     (folder / "results_2026-11-24T10-00-00.json").write_text(json.dumps(results))
     ppl_lines = [{"doc_id": i, "filter": "none", "word_perplexity": [ll, w]} for i, (ll, w) in enumerate(zip(lls, words))]
-    qa_lines = [{"doc_id": i, "filter": "strict-match", "exact_match": v} for i, v in enumerate(exact)]
+    qa_lines = [{"doc_id": i, "filter": "strict-match", "exact_match": v} for i, v in zip(qa_ids, exact)]
     for task, lines in (("ppl_task", ppl_lines), ("qa_task", qa_lines)):
         (folder / f"samples_{task}_2026-11-24T10-00-00.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     return root / name
 
 
-def _pair(tmp_path: Path, n: int = 120) -> tuple[Path, Path, np.ndarray, np.ndarray, np.ndarray]:
+def _pair(tmp_path: Path, n: int = 120, qa_size: int | None = None) -> tuple[Path, Path, np.ndarray, np.ndarray, np.ndarray]:
     rng = random.Random(0)
     words = [rng.randint(20, 200) for _ in range(n)]
     base = [-2.0 * w + rng.gauss(0, 3) for w in words]
     quant = [b - 0.02 * w + rng.gauss(0, 2) for b, w in zip(base, words)]  # about +2 % perplexity
     exact_b = [float(i < 0.6 * n) for i in range(n)]
     exact_q = [0.0 if i in (3, 9, 27, 40) else 1.0 if i == n - 1 else v for i, v in enumerate(exact_b)]  # 4 lost, 1 gained
-    b = _run(tmp_path, "base", base, words, exact_b)
-    q = _run(tmp_path, "quant", quant, words, exact_q)
+    b = _run(tmp_path, "base", base, words, exact_b, qa_size)
+    q = _run(tmp_path, "quant", quant, words, exact_q, qa_size)
     return b, q, np.array(base), np.array(quant), np.array(words, dtype=float)
 
 
@@ -79,14 +84,33 @@ def test_gate_on_two_lm_eval_runs_matches_the_definition(tmp_path: Path) -> None
     assert proc.stdout.strip().splitlines()[-1] == "verdict: PASS"
 
 
-def test_gate_on_0_1_items_reports_flips_and_is_inconclusive_when_too_close(tmp_path: Path) -> None:
+BETTING = "betting without replacement (Waudby-Smith and Ramdas 2020) on "
+
+
+def test_gate_on_every_item_of_a_0_1_task_decides_exactly(tmp_path: Path) -> None:
+    """Runs that scored every document (no n-samples limit) are the whole test set: 72 of 120 right on the
+    baseline, 4 lost and 1 gained, so recovery is 69 / 72 = 0.958 > 0.95, a fact once every item is scored."""
     b, q, *_ = _pair(tmp_path)
+    proc = run_qserve_in_process("gate", b, q, "--tasks", "qa_task", "--json")
+    assert proc.returncode == 0, proc.stderr
+    (gate,) = json.loads(proc.stdout)["gates"]
+    assert (gate["flips"], gate["status"], gate["recovery"]) == ({"lost": 4, "gained": 1}, "pass", pytest.approx(69 / 72))
+    assert gate["test"] == BETTING + "120 items of the task, in the seeded order, at 5 % over every look"
+    assert (gate["evidence"]["population"], gate["evidence"]["whole"]) == (120, True)
+
+
+def test_gate_on_a_seeded_sample_of_a_0_1_task_is_inconclusive_when_too_close(tmp_path: Path) -> None:
+    """The same 120 scores as the first 120 of a 1,319-document task's seeded order (lm-eval's n-samples):
+    a sample, 0.958 against 0.95 is too close to call on it, and the evidence is of 120 items of 1,319."""
+    b, q, *_ = _pair(tmp_path, qa_size=1319)
     proc = run_qserve_in_process("gate", b, q, "--tasks", "qa_task", "--json")
     assert proc.returncode == EXIT_GATE_INCONCLUSIVE, proc.stderr
     (gate,) = json.loads(proc.stdout)["gates"]
-    assert gate["flips"] == {"lost": 4, "gained": 1}
-    assert gate["test"] == "exact unconditional score test on discordant items (4 lost, 1 gained of 120)"
-    assert gate["reason"].startswith("degradation 0.025 vs allowed 0.03: too close to call")
+    assert gate["test"] == BETTING + "1319 items of the task, in the seeded order, at 5 % over every look"
+    assert gate["evidence"]["criteria"]["min_recovery"]["items"] == 120
+    assert gate["reason"].startswith(
+        "degradation 0.025 vs allowed 0.03: min_recovery: neither bettor reached 1/alpha = 20 after 120 items"
+    )
 
 
 def _instruction_run(root: Path, name: str, followed: list[list[bool]]) -> Path:
@@ -307,7 +331,7 @@ def test_eval_and_gate_decide_alike_on_the_same_outputs(tmp_path: Path) -> None:
 
     from_eval = decide_gates(specs, metrics, engine_run(b), engine_run(q), looks.level(1))
     assert [asdict(g) for g in from_eval] == from_gate
-    assert [g["status"] for g in from_gate] == ["pass", "inconclusive", "pass"]
+    assert [g["status"] for g in from_gate] == ["pass", "pass", "pass"]
 
 
 # `qserve gate --checkpoint`: the runs above bound to a small checkpoint (a real manifest over one file),
@@ -318,8 +342,9 @@ RAN = datetime(2026, 11, 24, 10, tzinfo=UTC).timestamp()  # an hour after the ch
 
 
 def _bound(tmp_path: Path, recipe: dict = RECIPE) -> tuple[Path, Path, Path]:
-    """A checkpoint of its own weights (no other test's look history), and a pair of runs that name it."""
-    b, q, *_ = _pair(tmp_path)
+    """A checkpoint of its own weights (no other test's look history), and a pair of runs that name it
+    (qa_task a seeded sample, whose gate is too close to call)."""
+    b, q, *_ = _pair(tmp_path, qa_size=1319)
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     (ckpt / "model.safetensors").write_bytes(f"weights of {tmp_path.name}".encode())

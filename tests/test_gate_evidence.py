@@ -92,3 +92,22 @@ def test_scores_outside_the_declared_range_are_refused() -> None:
         decide_gate(base, quant, GateSpec(max_drop=0.04), "f1,none", True, Population.in_order(ORDER))
     with pytest.raises(ValueError, match="betting takes per-item scores in"):
         hypotheses(GateSpec(max_drop=0.1), "bits_per_byte,none", False)
+
+
+def test_a_prefix_of_the_seeded_order_claims_the_task_and_other_windows_only_their_items() -> None:
+    """--limit 30 takes the first 30 of the task's seeded order (docs/gates.md's sha256 rule, recomputed in
+    conftest): the bet is on the whole order, free over looks. --offset 30's block, file order and the
+    whole set otherwise: the scored items alone, and only the whole set is free."""
+    from conftest import expected_order
+
+    from qserve.gate.evidence import ordered
+
+    order = [str(i) for i in expected_order("t", 200)]
+    first = ordered("t", sorted(order[:30]), 200)
+    assert (first.size, first.whole, first.free, first.population.order) == (200, True, True, order)
+    later = ordered("t", sorted(order[30:60]), 200)
+    assert (later.size, later.whole, later.free, sorted(later.population.order)) == (30, False, False, sorted(order[30:60]))
+    files = ordered("t", [str(i) for i in range(30)], 200)
+    assert (files.size, files.whole, files.free) == (30, False, False)
+    every = ordered("t", [str(i) for i in range(200)], None)
+    assert (every.size, every.whole, every.free) == (200, True, True)

@@ -60,14 +60,16 @@ class Window:
     limit: int | None
     offset: int = 0
     ids: dict[str, tuple[int, ...]] | None = None  # task -> lm-eval doc ids scored, when limited
+    sizes: dict[str, int] | None = None  # task -> its documents, when limited (the population the gate bets on)
 
     @classmethod
     def select(cls, limit: int | None, offset: int, configs: list[dict[str, Any]]) -> Window:
         """The window over these complete task configs; a limit counts each task's documents first."""
         if limit is None:
             return cls(None, offset)
-        ids = {c["task"]: tuple(sorted(item_order(c["task"], task_size(c))[offset : offset + limit])) for c in configs}
-        return cls(limit, offset, ids)
+        sizes = {c["task"]: task_size(c) for c in configs}
+        ids = {task: tuple(sorted(item_order(task, size)[offset : offset + limit])) for task, size in sizes.items()}
+        return cls(limit, offset, ids, sizes)
 
     def key(self) -> str | None:
         """For the baseline cache: which items, by rule and range (None: every document)."""

@@ -293,6 +293,25 @@ def draws_to_decide(
     }
 
 
+def items_to_pass_in_order(
+    seen: list[float], spec: Spec, size: int, alpha: float = ALPHA, paths: int = 400, share: float = 0.8, seed: int = 0
+) -> float:
+    """The items by which `share` of simulated runs pass, continuing a bet without replacement on a test
+    set of `size` items whose first items' degradations were `seen` (in the order bet on): each run
+    fills the items not yet scored by drawing from `seen`, and bets on all of them in order, as
+    `decide` on an in-order population does. math.inf when fewer than `share` pass by the last item."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    first = np.repeat(np.asarray(seen, dtype=float)[:, None], paths, axis=1)
+    d = np.concatenate([first, rng.choice(np.asarray(seen, dtype=float), size=(size - len(seen), paths))])
+    wealth = wor_paths(d, *spec.bet_range(), size)
+    hit = {side: wealth[f"log_wealth_{side}"][1:] >= math.log(1 / alpha) for side in ("pass", "fail")}
+    at = {side: np.where(h.any(0), h.argmax(0) + 1, math.inf) for side, h in hit.items()}
+    passed = np.where(at["pass"] < at["fail"], at["pass"], math.inf)
+    return float(np.percentile(passed, share * 100, method="higher"))
+
+
 def wealth_paths(d, lo: float, hi: float, delta: float, start: tuple[float, ...] | None = None) -> dict[str, Any]:
     """The bettors on degradations `d` (items on axis 0; further axes are independent replicates, as the
     simulations pass them), continuing from `start` = (items, sum_d, sum_sq, log_wealth_pass,

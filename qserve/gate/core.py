@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from qserve.errors import QserveError
-from qserve.gate import stats
-from qserve.gate.decisions import Gate, decide
+from qserve.gate import evidence, stats
+from qserve.gate.decisions import Gate, decide, decide_by_betting
 from qserve.gate.stats import ItemValues
 from qserve.spec.gates import GateSpec, check_allowance
 
@@ -119,8 +119,12 @@ def decide_gates(
     quant: Scores,
     level: float,
     groups: dict[str, Group] | None = None,
+    sizes: dict[str, int] | None = None,
 ) -> list[Gate]:
-    """Each task's (or group's) gates at one-sided `level`; a spec without a metric gates the headline."""
+    """Each task's (or group's) gates; a spec without a metric gates the headline. Scores in [0, 1] are
+    decided by betting (evidence.py) on the items in the task's seeded order (`sizes`: each task's
+    documents, where fewer were scored): at 5 % over every look when each look takes a prefix of that
+    order, else at `level`; the rest by stats.py's bounds at one-sided `level`."""
     decided = []
     groups = groups or {}
     headlines = headlines | {name: group.metric for name, group in groups.items()}
@@ -137,6 +141,24 @@ def decide_gates(
                 )
             base.check_items_add_up(task, metric, b)
             quant.check_items_add_up(task, metric, q)
-            cmp = stats.compare(metric, base.higher_is_better(task, metric), b, q, level)
-            decided.append(decide(task, spec, cmp, headline=metric == headlines[task]))
+            better = base.higher_is_better(task, metric)
+            cmp = stats.compare(metric, better, b, q, level)
+            headline = metric == headlines[task]
+            if cmp.non_finite or not evidence.bettable(spec, metric, better, b[2], q[2]):
+                decided.append(decide(task, spec, cmp, headline=headline))
+                continue
+            items = evidence.ordered(task, sorted(b[2]), _size(task, groups, sizes))
+            alpha = evidence.ALPHA if items.free else level
+            found = evidence.decide_gate(b[2], q[2], spec, metric, better, items.population, alpha=alpha)
+            decided.append(decide_by_betting(task, spec, cmp, found, items, headline=headline))
     return decided
+
+
+def _size(task: str, groups: dict[str, Group], sizes: dict[str, int] | None) -> int | None:
+    """The documents a task (or a group: its members') holds when fewer may have been scored; None when
+    every document was scored."""
+    if sizes is None:
+        return None
+    if task in groups and task not in sizes:
+        return sum(sizes.get(m, 0) for m in groups[task].members)
+    return sizes.get(task)

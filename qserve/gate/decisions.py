@@ -10,14 +10,18 @@ the noise band straddles the limit, the sample is too small and the gate says "i
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ConfigDict
 
 from qserve.errors import InvalidSpec
 from qserve.gate import paired_binary
 from qserve.spec.gates import GateSpec, allowed_degradation
+
+if TYPE_CHECKING:
+    from qserve.gate.evidence import GateDecision, Ordered
 
 
 class Status(StrEnum):
@@ -109,6 +113,9 @@ class Gate:
     flips: dict[str, int] | None = None  # 0/1 metrics: items lost and gained against the baseline
     # The metric is the task's headline one: a policy gate that names no metric is met only by such a gate.
     headline: bool = False
+    # Gates decided by betting (evidence.py): per criterion its decision, the wealth against each null
+    # and the items bet on; and the items the bet could take (`population`), `whole` when that is the task.
+    evidence: dict[str, Any] | None = None
 
 
 def recovery(baseline: float, quantized: float, higher_is_better: bool) -> float | None:
@@ -120,12 +127,7 @@ def recovery(baseline: float, quantized: float, higher_is_better: bool) -> float
 
 
 def decide(task: str, spec: GateSpec, cmp: Comparison, headline: bool = False) -> Gate:
-    allowed = allowed_degradation(spec, cmp.baseline, cmp.higher_is_better)
-    if cmp.flips is not None and allowed is not None and allowed >= 1:
-        raise InvalidSpec(
-            f"gate on {task}: an allowed drop of {allowed:g} on {cmp.metric}, whose items score 0 or 1, can never fail; "
-            "give a drop below 1 (0.02 is 2 points)"
-        )
+    allowed = _allowed(task, spec, cmp)
     if cmp.flips is not None and allowed is not None and not cmp.constant:
         cmp.bounds = binary_bounds(cmp.flips["lost"], cmp.flips["gained"], cmp.items or 0, allowed, cmp.level)
     status, reason, needed = _status(allowed, cmp)
@@ -152,6 +154,74 @@ def decide(task: str, spec: GateSpec, cmp: Comparison, headline: bool = False) -
         flips=cmp.flips,
         headline=headline,
     )
+
+
+def _allowed(task: str, spec: GateSpec, cmp: Comparison) -> float | None:
+    allowed = allowed_degradation(spec, cmp.baseline, cmp.higher_is_better)
+    if cmp.flips is not None and allowed is not None and allowed >= 1:
+        raise InvalidSpec(
+            f"gate on {task}: an allowed drop of {allowed:g} on {cmp.metric}, whose items score 0 or 1, can never fail; "
+            "give a drop below 1 (0.02 is 2 points)"
+        )
+    return allowed
+
+
+def decide_by_betting(
+    task: str, spec: GateSpec, cmp: Comparison, found: GateDecision, items: Ordered, headline: bool = False
+) -> Gate:
+    """A gate decided by betting (evidence.decide_gate) on `items`; the comparison's scores and bounds
+    are shown as `decide` computes them."""
+    shown = decide(task, spec, cmp, headline=headline)
+    where = f"{items.size} items of the task" if items.whole else f"the {items.size} scored items (a claim about them)"
+    level = "at 5 % over every look" if items.free else f"at {found.alpha:.2%}, this look's share of 5 %"
+    status, needed = Status(found.status), None
+    reason = (
+        ""
+        if shown.allowed_degradation is None
+        else f"degradation {cmp.degradation:.4g} vs allowed {shown.allowed_degradation:.4g}: "
+    )
+    reason += found.reason
+    if status == Status.INCONCLUSIVE:
+        needed = _items_to_pass(cmp, found, items)
+        more = (
+            f"{'all' if needed == items.size else 'about'} {needed} items would pass 4 times in 5 at these rates (simulated)"
+            if needed
+            else f"at these rates fewer than 4 runs in 5 would pass, even on all {items.size} items (simulated)"
+        )
+        reason += f"; {more} (--limit)"
+    criteria = {
+        c: {"decision": d.decision, "wealth_pass": d.wealth_pass, "wealth_fail": d.wealth_fail, "items": d.items}
+        for c, d in found.criteria.items()
+    }
+    return replace(
+        shown,
+        status=status,
+        reason=reason,
+        signal=shown.allowed_degradation is not None,
+        test=f"betting without replacement (Waudby-Smith and Ramdas 2020) on {where}, in the seeded order, {level}",
+        items_needed=needed,
+        evidence={"criteria": criteria, "population": items.size, "whole": items.whole, "threshold": 1 / found.alpha},
+    )
+
+
+def _items_to_pass(cmp: Comparison, found: GateDecision, items: Ordered) -> int | None:
+    """The items by which 4 in 5 simulated runs pass, each continuing the same bets on the task's items
+    with the ones not yet scored drawn from those scored; None when fewer pass by the last item."""
+    from qserve.gate import betting
+
+    needed = 0
+    order = items.population.order or []
+    for criterion, decision in found.criteria.items():
+        if decision.decision == "pass":
+            continue
+        terms = (found.terms or {})[criterion]
+        seen = [terms[i] for i in order if i in terms]
+        spec = betting.Spec(**decision.evidence.spec)
+        at = betting.items_to_pass_in_order(seen, spec, items.size, found.alpha)
+        if not math.isfinite(at):
+            return None
+        needed = max(needed, int(at))
+    return max(needed, (cmp.items or 0) + 1)
 
 
 def binary_bounds(lost: int, gained: int, n: int, allowed: float, level: float) -> Bounds:

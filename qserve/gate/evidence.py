@@ -1,5 +1,4 @@
-"""The gate as a test by betting (a library; `qserve eval` and `qserve gate` do not call it yet): one
-gate spec on one metric, both models' per-item values keyed by lm-eval's doc ids, and the evidence
+"""The gate as a test by betting: one gate spec on one metric, both models' per-item values keyed by lm-eval's doc ids, and the evidence
 so far -> the decision and the evidence to carry (`decide_gate`).
 
 Each criterion of the spec becomes one hypothesis fixed before any score, in the units betting.py
@@ -13,6 +12,8 @@ bets on, so no allowance rests on a measured baseline:
   size-biased draws (betting.py says why). `max_drop` in perplexity points would rest on the measured
   baseline, and is refused.
 Anything else (bits_per_byte, unbounded per-item scores) has no declared range yet and is refused.
+`qserve eval` and `qserve gate` decide every gate `bettable` says yes to through `decide_gate`; the
+rest (perplexities too, until --limit takes their size-biased draws) keep stats.py's bounds.
 
 A spec with several criteria passes only when every one passes (an intersection-union test: each at
 alpha, so the pass keeps alpha), fails when any fails, and is inconclusive otherwise.
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qserve.gate import betting
+from qserve.gate.order import in_seeded_order, item_order
 from qserve.gate.spending import ALPHA
 from qserve.spec.gates import GateSpec
 
@@ -35,6 +37,9 @@ class GateDecision:
     status: str  # "pass", "fail" or "inconclusive"
     criteria: dict[str, betting.Decision]  # criterion -> its test's decision and evidence
     reason: str
+    alpha: float = ALPHA
+    # criterion -> doc id -> the degradation bet on (scores only: what a simulation of more items draws from)
+    terms: dict[str, dict[str, float]] | None = None
 
     def evidence(self) -> dict[str, str]:
         """What a later call continues from: each criterion's evidence as JSON."""
@@ -83,12 +88,15 @@ def decide_gate(
         _check_scores(metric, base, quant)
     if evidence is not None and set(evidence) != set(tests):
         raise ValueError(f"the evidence is of criteria {sorted(evidence)}, this gate's are {sorted(tests)}")
-    decisions = {}
+    decisions, terms = {}, {}
     for criterion, (spec, scale) in tests.items():
         carried = betting.Evidence.from_json(evidence[criterion]) if evidence else None
         scaled = base if scale == 1.0 else {k: scale * float(v) for k, v in base.items()}
         decisions[criterion] = betting.decide(scaled, quant, spec, population, carried, alpha, limit=limit)
-    return GateDecision(_status(decisions), decisions, "; ".join(f"{c}: {d.reason}" for c, d in decisions.items()))
+        if spec.kind != "perplexity":
+            terms[criterion] = {str(k): float(v) - float(quant[k]) for k, v in scaled.items() if k in quant}
+    reason = "; ".join(f"{c}: {d.reason}" for c, d in decisions.items())
+    return GateDecision(_status(decisions), decisions, reason, alpha, terms or None)
 
 
 def _status(decisions: dict[str, betting.Decision]) -> str:
@@ -105,3 +113,43 @@ def _check_scores(metric: str, base: dict[Any, Any], quant: dict[Any, Any]) -> N
                 f"{metric}: the {side}'s per-item value for document {outside[0]} is {values[outside[0]]}, outside [0, 1]; "
                 "betting needs the range declared before scoring"
             )
+
+
+def bettable(
+    gate: GateSpec, metric: str, higher_is_better: bool, base: dict[Any, Any] | None, quant: dict[Any, Any] | None
+) -> bool:
+    """Whether `decide_gate` decides this gate today: per-item scores in [0, 1], higher is better, no
+    max_increase (corpus perplexities wait for --limit to take their size-biased draws)."""
+    if metric.partition(",")[0] in PERPLEXITIES or not base or not quant or not higher_is_better:
+        return False
+    if gate.max_increase is not None:
+        return False
+    values = list(base.values()) + list(quant.values())
+    return all(isinstance(v, float) and 0.0 <= v <= 1.0 for v in values)
+
+
+@dataclass(frozen=True)
+class Ordered:
+    """The items a gate bets on, in the order it takes them. `whole`: a claim about the task (its seeded
+    order from the first document, or every document); otherwise about the scored items alone. `free`:
+    every look takes a prefix of the same order, so one wealth process is watched and Ville's inequality
+    holds over all looks; otherwise each look is a new test and spends its own share of 5 %."""
+
+    population: betting.Population
+    size: int
+    whole: bool
+    free: bool
+
+
+def ordered(task: str, scored: list[str], size: int | None) -> Ordered:
+    """The population for `scored` doc ids of `task` with `size` documents: when they are the first items
+    of the task's seeded order (what --limit takes), that whole order, a uniformly random order of the
+    documents fixed before any score; otherwise (an --offset, file order, or an lm-eval group's pooled
+    `member/doc` keys) the scored items alone, in the seeded order."""
+    if size is not None and all(i.isdigit() for i in scored):
+        order = [str(i) for i in item_order(task, size)]
+        if set(order[: len(scored)]) == set(scored):
+            return Ordered(betting.Population.in_order(order), size, True, True)
+    own = in_seeded_order(task, scored)
+    whole = size is None or len(own) == size
+    return Ordered(betting.Population.in_order(own), len(own), whole, whole)

@@ -61,7 +61,8 @@ def gate_runs(
         _same_question(leaf, base, quant)
     specs = {task: gates.get(task) or default_gate() for task in names}
     headlines = {task: base.headline(task) for task in names if task not in groups}
-    decided = decide_gates(specs, headlines, base, quant, looks.level(look), groups)
+    sizes = _sizes(base, quant, leaves)
+    decided = decide_gates(specs, headlines, base, quant, looks.level(look), groups, sizes)
     decided_at, final = datetime.now(UTC).isoformat(timespec="seconds"), verdict(decided)
     entry = scored | {"decided_at": decided_at, "verdict": final, "level": looks.level(look)}
     summary = {
@@ -83,6 +84,23 @@ def gate_runs(
     if checkpoint is not None:
         _write_record(checkpoint, summary, base, quant)
     return summary
+
+
+def _sizes(base: _LmEvalRun, quant: _LmEvalRun, leaves: dict[str, list[str]]) -> dict[str, int]:
+    """Each task's documents as lm-eval's `n-samples` states them (`original`, before a limit): where fewer
+    were scored, the gate bets on the scored ones as a sample of the task only if they are a block of its
+    seeded order (gate/evidence.ordered). Both runs must state the same."""
+    counts = [{t: (n or {}).get("original") for t, n in (run.raw.get("n-samples") or {}).items()} for run in (base, quant)]
+    sizes = {}
+    for task, members in leaves.items():
+        stated = [[c.get(m) for m in members] for c in counts]
+        if stated[0] != stated[1]:
+            raise QserveError(
+                f"{task}: the runs state different document counts (lm-eval's n-samples: {stated[0]} and {stated[1]})"
+            )
+        if all(isinstance(n, int) for n in stated[0]):
+            sizes[task] = sum(stated[0])
+    return sizes
 
 
 def _earlier(looks_from: Path | None, checkpoint: Checkpoint | None) -> list[dict[str, Any]]:
