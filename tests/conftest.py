@@ -332,6 +332,14 @@ def expected_order(task: str, size: int) -> list[int]:
     return sorted(range(size), key=lambda i: hashlib.sha256(f"0\0{task}\0{i}".encode()).digest())
 
 
+def gsm8k_ppl_words() -> list[float]:
+    """gsm8k_ppl's documents' words, counted from the jsonl as lm-eval's count_words counts them."""
+    import re
+
+    rows = [json.loads(line) for line in (DATA_DIR / "gsm8k" / "test.jsonl").read_text().splitlines()]
+    return [float(len(re.split(r"\s+", f"Question: {r['question']}\nAnswer: {r['answer']}"))) for r in rows]
+
+
 def copy_checkpoint(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst

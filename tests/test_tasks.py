@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
-from conftest import DATA_DIR
+from conftest import DATA_DIR, gsm8k_ppl_words
 
 from qserve.errors import QserveError
 from qserve.evaluate.tasks import get_tasks, lm_eval_config, task_population
@@ -51,10 +50,9 @@ def test_gsm8k_multiple_choice_distractors() -> None:
 def test_a_task_population_is_its_documents_with_the_words_lm_eval_counts() -> None:
     """gsm8k_ppl scores "Question: ...\nAnswer: ..." per test document; its words, counted here from the
     jsonl as lm-eval's count_words does (whitespace runs), weight the draws. gsm8k's are uniform."""
-    rows = [json.loads(line) for line in (DATA_DIR / "gsm8k" / "test.jsonl").read_text().splitlines()]
-    words = [len(re.split(r"\s+", f"Question: {r['question']}\nAnswer: {r['answer']}")) for r in rows]
+    words = gsm8k_ppl_words()
     ppl = task_population(lm_eval_config(get_tasks(["gsm8k_ppl"])[0], DATA_DIR), by_words=True)
-    assert ppl.weights == {str(i): float(w) for i, w in enumerate(words)} and len(rows) == 1319
+    assert ppl.weights == {str(i): w for i, w in enumerate(words)} and len(words) == 1319
     uniform = task_population(lm_eval_config(get_tasks(["gsm8k"])[0], DATA_DIR), by_words=False)
     assert uniform.weights == {str(i): 1.0 for i in range(1319)}
 

@@ -1,5 +1,5 @@
 """Evidence by betting: a non-inferiority gate whose level holds however often, and after however
-many items, it is looked at (a library; `qserve eval` and `qserve gate` do not call it yet).
+many items, it is looked at (a library; `qserve eval` and `qserve gate` call it through evidence.py).
 
 Both models score the same items; item i's degradation d_i (baseline minus quantized, for a score
 where higher is better) lies in a range [lo, hi] declared before any score is seen. Two bettors start
@@ -65,9 +65,13 @@ Without replacement (`wor_paths`): a finite test set's items in the uniformly ra
 takes them (gate/order.item_order), each once, bet against the mean the remaining items
 would need; Ville's inequality holds the same way and the last item decides exactly. For 0/1 and
 bounded scores it needs fewer items than draws (tests/test_betting_wor.py prints both). For corpus
-perplexity a uniform order must bet on each document's loss change weighted by its length, whose
-range the longest document sets: on GSM8K's answers it needs more documents scored than the
-size-biased draws touch, so perplexity keeps the draws.
+perplexity a uniform order would have to bet on each document's loss change weighted by its length,
+whose range the longest document sets (on GSM8K's answers, more documents than the size-biased draws
+touch); so its order is size-biased instead (`in_order` with every document's words:
+gate/order.weighted_order), each next document taken with probability its words over the words not
+yet taken, and the bet is on the per-word change against the weighted mean the rest would need
+(`wor_paths` with weights): the draws' per-word scale without their repeats, and no more documents
+than the draws on GSM8K's lengths. `qserve eval` does not take that order yet.
 
 Evidence carries the draws consumed, the bettors' state, the seed, the level, the spec and a digest of
 the population; a later call continues from the next draw, draws already consumed add nothing, and
@@ -139,6 +143,8 @@ class Evidence:
     sum_sq: float = 0.0  # sum of (d_i - mu_i)^2: the bettor's running variance
     log_wealth_pass: float = 0.0
     log_wealth_fail: float = 0.0
+    sum_w: float = 0.0  # a weighted order: the weight taken so far
+    sum_wd: float = 0.0  # and its weighted sum of degradations
     decision: str | None = None  # "pass" or "fail" once final
     reason: str | None = None
 
@@ -175,16 +181,21 @@ class Population:
         self._cut = [c / cumulative[-1] for c in cumulative]
         self.digest = hashlib.sha256(json.dumps(self.weights, sort_keys=True).encode()).hexdigest()
         self.order: list[str] | None = None  # set by `in_order`: items taken without replacement
+        self.weighted = False  # an order size-biased by the weights (`in_order` with weights)
 
     @classmethod
-    def in_order(cls, ids: list[Any]) -> Population:
-        """Every document of a finite test set in a uniformly random order fixed before any score (as
-        --limit takes them: gate/order.item_order): `decide` takes them in it, each once."""
-        population = cls(list(ids))
+    def in_order(cls, ids: list[Any], weights: dict[Any, float] | None = None) -> Population:
+        """Every document of a finite test set in a random order fixed before any score: uniformly
+        random (as --limit takes them: gate/order.item_order), or with `weights` (every document's
+        words) size-biased (gate/order.weighted_order), which corpus perplexity bets on. `decide`
+        takes them in it, each once."""
+        population = cls(list(ids) if weights is None else {i: weights[i] for i in ids})
         population.order = [str(i) for i in ids]
-        if len(set(population.order)) != len(population.order):
-            raise ValueError("an order names each document once")
-        population.digest = hashlib.sha256(json.dumps({"order": population.order}).encode()).hexdigest()
+        population.weighted = weights is not None
+        if len(set(population.order)) != len(population.order) or (weights is not None and len(weights) != len(ids)):
+            raise ValueError("an order names each document once, and a weighted one every weighted document")
+        named = {"order": population.order} | ({"weights": population.weights} if weights is not None else {})
+        population.digest = hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()
         return population
 
     def draws(self, seed: int, start: int, count: int) -> list[str]:
@@ -216,8 +227,11 @@ def decide(
     A population `in_order` is taken without replacement instead: the items after those consumed, in
     its order, while both models scored them, up to `limit` items or the last (which decides exactly);
     binary and mean specs only, as corpus perplexity bets on size-biased draws."""
-    if population.order is not None and (spec.kind == "perplexity" or order_seed is not None):
-        raise ValueError("a population in order is taken as it is, for binary and mean specs: no seed, no perplexity")
+    if population.order is not None and (order_seed is not None or (spec.kind == "perplexity") != population.weighted):
+        raise ValueError(
+            "a population in order is taken as it is (no seed): uniformly random for binary and mean specs, "
+            "size-biased by words for perplexity"
+        )
     evidence = _start(spec, population, evidence, alpha, order_seed)
     if evidence.decision is not None:
         return _decision(evidence, 0)
@@ -233,8 +247,11 @@ def decide(
     if population.order is not None:
         ahead = population.order[evidence.items : limit if limit is not None else len(population.order)]
         usable = list(itertools.takewhile(lambda i: i in values, ahead))
+        weights = (population.weights, sum(population.weights.values())) if population.weighted else None
         state, consumed = (
-            _bet(evidence, spec, [values[i] for i in usable], size=len(population.order)) if usable else (evidence, 0)
+            _bet(evidence, spec, [values[i] for i in usable], size=len(population.order), weights=weights, ids=usable)
+            if usable
+            else (evidence, 0)
         )
         return _decision(state, consumed)
     start, state, new = evidence.items, evidence, 0
@@ -329,7 +346,16 @@ def wealth_paths(d, lo: float, hi: float, delta: float, start: tuple[float, ...]
     return {"sum_d": sums, "sum_sq": sq, "log_wealth_pass": log_pass, "log_wealth_fail": log_fail}
 
 
-def wor_paths(d, lo: float, hi: float, delta: float, size: int, start: tuple[float, ...] | None = None) -> dict[str, Any]:
+def wor_paths(
+    d,
+    lo: float,
+    hi: float,
+    delta: float,
+    size: int,
+    start: tuple[float, ...] | None = None,
+    weights=None,
+    total: float | None = None,
+) -> dict[str, Any]:
     """The bettors on items taken without replacement, in a uniformly random order fixed before any
     score, from a finite population of `size` items whose mean is tested against `delta` (Waudby-Smith
     and Ramdas, "Confidence sequences for sampling without replacement", NeurIPS 2020). Arrays and
@@ -344,14 +370,29 @@ def wor_paths(d, lo: float, hi: float, delta: float, size: int, start: tuple[flo
     without replacement as with it), truncated to keep every factor positive over [lo, hi]. Two
     certainties need no bet: when m_t lies outside [lo, hi] the remaining items cannot bring the mean
     to delta; and once every item is consumed the mean is known, so the test decides exactly (at
-    exactly delta, neither). Each arrives as an infinite log-wealth."""
+    exactly delta, neither). Each arrives as an infinite log-wealth.
+
+    Weighted (`weights`, each item's weight as `d` holds the items; `total`, every item's weights
+    summed): the items come in a size-biased order without replacement, each next item drawn with
+    probability its weight over the weights not yet taken (gate/order.weighted_order), and the null is
+    the weighted mean sum w_j d_j / total = delta. Before item t, with weight V and weighted sum X
+    taken, the next item's mean is the remaining weighted sum over the remaining weight, so under
+    H0_pass it is >= m_t = (total * delta - X) / (total - V); the bets are the same with this m_t.
+    Uniform weights make it the formula above. `start` then carries V and X too (7 entries), and the
+    arrays `sum_w` and `sum_wd` come back with the rest."""
     import numpy as np
 
     d = np.asarray(d, dtype=float)
     if (taken := (int(start[0]) if start else 0) + d.shape[0]) > size:
         raise ValueError(f"{taken} items taken without replacement from a population of {size}")
     t, head, sums, mean, sq, var, (lp0, lf0) = _running(d, lo, hi, start)
-    null = (size * delta - sums[:-1]) / (size - t[:-1])  # m_t: the next item's mean at a population mean of delta
+    w = np.ones_like(d) if weights is None else np.broadcast_to(np.asarray(weights, dtype=float), d.shape)
+    whole = float(size) if weights is None else float(total)
+    v0, x0 = (start[5], start[6]) if start is not None and len(start) > 5 else (t[0], sums[0])
+    taken = np.cumsum(np.concatenate([head * v0, w]), axis=0)  # V: weight taken after each row
+    weighted = np.cumsum(np.concatenate([head * x0, w * d]), axis=0)  # X: weighted sum taken
+    # m_t: the next item's mean at a (weighted) population mean of delta
+    null = (whole * delta - weighted[:-1]) / (whole - taken[:-1])
     gap = null - mean[:-1]
     kelly = gap / (var[:-1] + gap * gap)
     tiny = 1e-12 * (hi - lo)  # rounding in m_t: a certainty needs m_t clear of the range
@@ -363,10 +404,11 @@ def wor_paths(d, lo: float, hi: float, delta: float, size: int, start: tuple[flo
     log_pass = np.cumsum(np.concatenate([head * lp0, step_pass]), axis=0)
     log_fail = np.cumsum(np.concatenate([head * lf0, step_fail]), axis=0)
     done = t == size  # every item consumed: the mean is known
-    exact = sums / size - delta
+    exact = weighted / whole - delta
     log_pass = np.where(done & (exact < -tiny), np.inf, log_pass)
     log_fail = np.where(done & (exact > tiny), np.inf, log_fail)
-    return {"sum_d": sums, "sum_sq": sq, "log_wealth_pass": log_pass, "log_wealth_fail": log_fail}
+    out = {"sum_d": sums, "sum_sq": sq, "log_wealth_pass": log_pass, "log_wealth_fail": log_fail}
+    return out if weights is None else out | {"sum_w": taken, "sum_wd": weighted}
 
 
 def _running(d, lo: float, hi: float, start: tuple[float, ...] | None) -> tuple:
@@ -375,7 +417,7 @@ def _running(d, lo: float, hi: float, start: tuple[float, ...] | None) -> tuple:
     mu_t, s2_t), and the carried log-wealths."""
     import numpy as np
 
-    t0, s0, q0, lp0, lf0 = start or (0, 0.0, 0.0, 0.0, 0.0)
+    t0, s0, q0, lp0, lf0 = (start or (0, 0.0, 0.0, 0.0, 0.0))[:5]
     rest = d.shape[1:]
     t = (t0 + np.arange(d.shape[0] + 1, dtype=float)).reshape((-1,) + (1,) * len(rest))
     head = np.ones((1,) + rest)
@@ -444,15 +486,28 @@ def _outside_why(spec: Spec) -> str:
     return f"the degradation lies outside the declared range [{lo:g}, {hi:g}] (or is not finite): the test cannot bet on it"
 
 
-def _bet(evidence: Evidence, spec: Spec, d: list[float], size: int | None = None) -> tuple[Evidence, int]:
+def _bet(
+    evidence: Evidence,
+    spec: Spec,
+    d: list[float],
+    size: int | None = None,
+    weights: tuple[dict[str, float], float] | None = None,
+    ids: list[str] | None = None,
+) -> tuple[Evidence, int]:
     """Bet on the items' degradations in order (drawn with replacement, or taken without it from a
-    population of `size`); stop at the first a bettor reaches 1/alpha on. The evidence after, and the
-    items consumed."""
+    population of `size`, size-biased when `weights` = (doc id -> weight, their sum) and `ids` name
+    the items); stop at the first a bettor reaches 1/alpha on. The evidence after, and the items consumed."""
     import numpy as np
 
     lo, hi, delta = spec.bet_range()
     start = (evidence.items, evidence.sum_d, evidence.sum_sq, evidence.log_wealth_pass, evidence.log_wealth_fail)
-    paths = wealth_paths(d, lo, hi, delta, start) if size is None else wor_paths(d, lo, hi, delta, size, start)
+    if size is None:
+        paths = wealth_paths(d, lo, hi, delta, start)
+    elif weights is None:
+        paths = wor_paths(d, lo, hi, delta, size, start)
+    else:
+        w = [weights[0][i] for i in ids or []]
+        paths = wor_paths(d, lo, hi, delta, size, (*start, evidence.sum_w, evidence.sum_wd), w, weights[1])
     threshold = math.log(1 / evidence.alpha)
     crossed = (paths["log_wealth_pass"][1:] >= threshold) | (paths["log_wealth_fail"][1:] >= threshold)
     k = int(np.argmax(crossed)) + 1 if crossed.any() else len(d)

@@ -5,7 +5,8 @@ hash, so a larger --limit continues a smaller one and every run of the same task
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 ORDER_SEED = 0
@@ -23,3 +24,17 @@ def item_order(task: str, size: int, seed: int = ORDER_SEED) -> list[int]:
 def in_seeded_order(task: str, ids: Iterable[Any], seed: int = ORDER_SEED) -> list[Any]:
     """`ids` (doc ids, or a group's `member/doc id` keys) sorted by the hash `item_order` sorts by."""
     return sorted(ids, key=lambda i: hashlib.sha256(f"{seed}\0{task}\0{i}".encode()).digest())
+
+
+def weighted_order(task: str, weights: Mapping[Any, float], seed: int = ORDER_SEED) -> list[Any]:
+    """The documents in a size-biased random order without replacement: each next one taken with
+    probability its weight over the weights not yet taken (for corpus perplexity, its words). An
+    exponential race (Efraimidis and Spirakis, "Weighted random sampling with a reservoir", 2006):
+    document j finishes at E_j / w_j, E_j exponential from the hash as in `item_order`, and the order
+    is by finishing time; the first N continue to the first N + 1 as there."""
+
+    def finish(i: Any) -> float:
+        u = (int.from_bytes(hashlib.sha256(f"{seed}\0{task}\0{i}".encode()).digest()[:8], "big") + 0.5) / 2**64
+        return -math.log(u) / weights[i]
+
+    return sorted(weights, key=finish)
