@@ -252,9 +252,11 @@ def _intro(draws: int, level: float, provenance: str) -> list[str]:
         provenance,
         "",
         f"Each cell: how often qserve's gate PASSES a model whose true degradation is exactly the allowance "
-        f"(false pass; at most {level:.2%} + 3 Monte-Carlo SE = {limit(draws, level):.2%} allowed) / how often it passes a good model "
-        f"(power), over {draws} simulated samples of n items, with the bounds of a first look at a checkpoint's weights "
-        f"(one-sided {1 - level:.2%}; later looks spend less, so that all of them together stay within 5 %).",
+        f"(false pass) / how often it passes a good model (power), over {draws} simulated samples of n items. "
+        f"0/1 items are decided by betting, at 5 % over every look (at most {limit(draws, ALPHA):.2%} allowed: "
+        f"5 % + 3 Monte-Carlo SE); the other tables use the bounds of a first look at a checkpoint's weights "
+        f"(one-sided {1 - level:.2%}, at most {level:.2%} + 3 SE = {limit(draws, level):.2%} allowed; later looks "
+        f"spend less, so that all of them together stay within 5 %).",
         "",
     ]
 
