@@ -30,6 +30,10 @@ DATA_DIR = Path(os.environ.get("QSERVE_DATA_DIR", REPO.parent / "shared" / "data
 CACHE_DIR = Path(os.environ.get("QSERVE_TEST_CACHE", REPO / ".qserve-test-cache")).resolve()
 QSERVE = [sys.executable, "-m", "qserve.cli"]
 EVAL_LIMIT = 10
+# Documents for a perplexity gate to FAIL a broken checkpoint (+20-30 %): at the log 2 cap each one
+# multiplies the fail bettor's wealth by at most 1 + 0.67 x (its loss - 5.1 %), so +24 % takes about 31
+# documents to reach 20 (betting.wor_paths on a constant loss); twice that for a margin.
+FAIL_LIMIT = 60
 API_KEY = "test-key-123"
 
 
@@ -330,6 +334,19 @@ def expected_order(task: str, size: int) -> list[int]:
     import hashlib
 
     return sorted(range(size), key=lambda i: hashlib.sha256(f"0\0{task}\0{i}".encode()).digest())
+
+
+def expected_weighted_order(task: str, words: list[float]) -> list[int]:
+    """The word-perplexity order as docs/gates.md states it, recomputed: an exponential race, document i
+    finishing at -log(u_i) / words_i with u_i from the first 8 bytes of the same sha256 (+ 1/2, over 2^64)."""
+    import hashlib
+    import math
+
+    def finish(i: int) -> float:
+        head = hashlib.sha256(f"0\0{task}\0{i}".encode()).digest()[:8]
+        return -math.log((int.from_bytes(head, "big") + 0.5) / 2**64) / words[i]
+
+    return sorted(range(len(words)), key=finish)
 
 
 def gsm8k_ppl_words() -> list[float]:

@@ -12,6 +12,7 @@ from conftest import (
     DEMO_LIMIT,
     DEMO_TASKS,
     EVAL_LIMIT,
+    FAIL_LIMIT,
     copy_checkpoint,
     free_port,
     run_qserve,
@@ -24,7 +25,6 @@ from qserve.gate import looks
 from qserve.gate.card import CARD_NAME, gate_rows
 from qserve.gate.decisions import Gate
 from qserve.gate.reports import REPORT_NAME
-from qserve.gate.spending import min_items
 
 
 @pytest.mark.slow
@@ -45,8 +45,9 @@ def test_eval_writes_results_and_passes(passed_eval) -> None:
     assert ppl["recovery"] == pytest.approx(ppl["baseline"] / ppl["quantized"]) and ppl["status"] == "pass"
     # lm-eval has no stderr for perplexity; qserve linearizes one, and the paired noise is tighter.
     assert ppl["baseline_stderr"] > 0 and 0 < ppl["degradation_stderr"] < ppl["baseline_stderr"]
-    assert ppl["test"] == f"paired t on {DEMO_LIMIT} documents' linearized terms"
-    assert ppl["bounds"]["scale"] == "relative" and ppl["bounds"]["upper"] < ppl["bounds"]["allowed"]
+    assert ppl["test"].startswith("betting without replacement (Waudby-Smith and Ramdas 2020) on 1319 items of the task")
+    bet = ppl["evidence"]["criteria"]["min_recovery"]
+    assert bet["decision"] == "pass" and bet["wealth_pass"] >= 20 == ppl["evidence"]["threshold"] and bet["items"] <= DEMO_LIMIT
     assert summary["parity"]["status"] == "pass" and summary["emulated"] is False
     assert summary["engine_args"]["quantized"] == {
         "quantization": "compressed-tensors",
@@ -89,16 +90,16 @@ def test_reports_agree_with_the_summary(passed_eval) -> None:
 
 @pytest.mark.slow
 def test_eval_without_evidence_is_inconclusive(passed_eval, tmp_path: Path) -> None:
-    """gsm8k_mc at 10 items of the seeded order: the quantized model loses one item the baseline answers
-    and gains none (measured here), 10 points against the 3.5 a 0.95 recovery of the baseline's 70 %
-    allows: exceeded, but 10 items of the task are too few for the bettors to decide, so inconclusive,
-    and at those flip rates more items would not pass it. The perplexity gate's bound is under its allowance (a
-    wide one here: how wide the bound on 10 documents is depends on how many looks came before), but
-    10 documents are too few for a pass."""
+    """gsm8k_mc at 10 items of the seeded order: the quantized model loses items the baseline answers
+    (one or two, by the CPU's kernels), 10 points or more against the 3.5 a 0.95 recovery of the
+    baseline's score (70 % here) allows: exceeded, but 10 items of the task are too few for the bettors to decide, so inconclusive,
+    and at those flip rates more items would not pass it. The perplexity gate (+5 %) is too: at the log 2
+    cap a document within +5 % of the baseline multiplies the pass wealth by at most 1.04 or so, and 10 of
+    them cannot reach 20."""
     ckpt = copy_checkpoint(passed_eval[0], tmp_path / "ckpt")  # the shared one keeps its passing record
     earlier = looks.earlier(read_manifest(ckpt))  # the demo's gate, and any other eval of these weights so far
     tasks = "gsm8k_ppl,gsm8k_mc"
-    wide = "gsm8k_ppl:max_increase=0.5"
+    wide = "gsm8k_ppl:max_increase=0.05"
     proc = run_qserve_in_process(
         "eval", ckpt, "--tasks", tasks, "--limit", str(EVAL_LIMIT), "--gate", wide, "--no-parity", "--json"
     )
@@ -119,15 +120,19 @@ def test_eval_without_evidence_is_inconclusive(passed_eval, tmp_path: Path) -> N
         True,
     )
     ppl = gates["gsm8k_ppl"]
-    assert ppl["bounds"]["upper"] < ppl["bounds"]["allowed"] == pytest.approx(0.5) and ppl["items"] == EVAL_LIMIT
-    assert ppl["items_needed"] >= min_items(summary["look"]["level"])
+    bet = ppl["evidence"]["criteria"]["max_increase"]
+    assert (ppl["items"], bet["items"], bet["decision"]) == (EVAL_LIMIT, EVAL_LIMIT, "inconclusive") and bet["wealth_pass"] < 20
+    assert ppl["items_needed"] > EVAL_LIMIT
     assert (
         mc["test"]
         == "betting without replacement (Waudby-Smith and Ramdas 2020) on 1319 items of the task, in the seeded order, at 5 % over every look"
     )
     scores = {side: raw[side]["results"]["gsm8k_mc"]["acc,none"] for side in ("baseline", "quantized")}
-    assert (scores["baseline"], scores["baseline"] - scores["quantized"]) == pytest.approx((0.7, 0.1))  # lm-eval's own
-    assert mc["flips"] == {"lost": 1, "gained": 0} and mc["items_needed"] is None
+    # The flips are lm-eval's own scores item by item (how many depends on the CPU's INT8 kernels: 1 lost
+    # on a VNNI host, 2 on an AMX one), and they exceed the 0.95 recovery's allowance.
+    lost, gained = mc["flips"]["lost"], mc["flips"]["gained"]
+    assert (lost - gained) / EVAL_LIMIT == pytest.approx(scores["baseline"] - scores["quantized"])
+    assert (lost - gained) / EVAL_LIMIT > 0.05 * scores["baseline"] and mc["items_needed"] is None
     assert mc["reason"].endswith("fewer than 4 runs in 5 would pass, even on all 1319 items (simulated) (--limit)")
     assert mc["evidence"]["criteria"]["min_recovery"]["items"] == EVAL_LIMIT
     # ... and is not served.
@@ -206,11 +211,11 @@ def _damage_scales(ckpt: Path, spread: float = 0.05) -> None:
 def test_damaged_checkpoint_fails_the_perplexity_gate(passed_eval, tmp_path: Path) -> None:
     ckpt = copy_checkpoint(passed_eval[0], tmp_path / "ckpt")
     _damage_scales(ckpt)
-    proc = run_qserve_in_process("eval", ckpt, "--tasks", "gsm8k_ppl", "--limit", str(EVAL_LIMIT), "--json")
+    proc = run_qserve_in_process("eval", ckpt, "--tasks", "gsm8k_ppl", "--limit", str(FAIL_LIMIT), "--json")
     assert proc.returncode == 3, proc.stderr[-3000:]
     summary = json.loads(proc.stdout)
     gate = summary["gates"][0]
-    assert gate["status"] == "fail" and "beyond noise" in gate["reason"]
+    assert gate["status"] == "fail" and "degradation > allowance" in gate["reason"]
     assert gate["quantized"] > 1.1 * gate["baseline"]  # measured: +24% perplexity from 5% scale noise
     # vLLM still runs the damaged weights faithfully: parity passes, the gate is what catches it.
     assert summary["parity"]["status"] == "pass"

@@ -111,3 +111,36 @@ def test_a_prefix_of_the_seeded_order_claims_the_task_and_other_windows_only_the
     assert (files.size, files.whole, files.free) == (30, False, False)
     every = ordered("t", [str(i) for i in range(200)], None)
     assert (every.size, every.whole, every.free) == (200, True, True)
+
+
+def test_word_perplexity_bets_on_the_size_biased_order_and_names_a_document_past_the_cap() -> None:
+    """`qserve eval`'s word-perplexity gate: --limit's prefix of the race by words (recomputed in conftest)
+    is a claim about the task, free over looks; an --offset block, about the documents after those before
+    it; a set in file order, about itself. On a prefix with no loss it passes (each item's wealth factor
+    is 1 + l log(1/0.95) > 1); a document whose loss rose by 0.8 nats per word is past the log 2 cap and
+    fails the gate, named."""
+    from conftest import expected_weighted_order
+
+    from qserve.gate.evidence import bettable, ordered
+
+    rng = random.Random(2)
+    words = {i: float(rng.randint(20, 200)) for i in range(300)}
+    order = [str(i) for i in expected_weighted_order("t", [words[i] for i in range(300)])]
+    first = ordered("t", sorted(order[:150]), 300, words)
+    assert (first.size, first.whole, first.free, first.after, first.population.order) == (300, True, True, 0, order)
+    assert first.population.weighted and first.population.weights == {str(i): w for i, w in words.items()}
+    block = ordered("t", sorted(order[150:200]), 300, words)
+    assert (block.size, block.whole, block.free, block.after, block.population.order) == (150, False, False, 150, order[150:])
+    files = ordered("t", [str(i) for i in range(50)], 300, words)
+    assert (files.size, files.whole, files.free, files.population.order) == (50, False, False, [i for i in order if int(i) < 50])
+    base = {i: [-2.0 * words[int(i)], words[int(i)]] for i in order[:150]}
+    quant = {i: list(v) for i, v in base.items()}
+    assert bettable(GateSpec(min_recovery=0.95), "word_perplexity,none", False, base, quant, words)
+    assert not bettable(GateSpec(min_recovery=0.95), "word_perplexity,none", False, base, quant, None)
+    assert not bettable(GateSpec(min_recovery=0.95), "byte_perplexity,none", False, base, quant, words)
+    assert not bettable(GateSpec(max_increase=1.0), "word_perplexity,none", False, base, quant, words)  # log 2: the cap
+    same = decide_gate(base, quant, GateSpec(min_recovery=0.95), "word_perplexity,none", False, first.population)
+    assert same.status == "pass" and same.criteria["min_recovery"].items < 150, same.reason
+    broken = quant | {order[7]: [-(2.0 + 0.8) * words[int(order[7])], words[int(order[7])]]}
+    got = decide_gate(base, broken, GateSpec(min_recovery=0.95), "word_perplexity,none", False, first.population)
+    assert got.status == "fail" and f"document {order[7]}: the loss changed by more than the cap of 0.693" in got.reason

@@ -9,7 +9,7 @@ import pytest
 from conftest import DATA_DIR, gsm8k_ppl_words
 
 from qserve.errors import QserveError
-from qserve.evaluate.tasks import get_tasks, lm_eval_config, task_population
+from qserve.evaluate.tasks import get_tasks, lm_eval_config, reports_word_perplexity, task_words
 
 ARC = [
     ("Which gas do plants take in from the air?", ["oxygen", "carbon dioxide", "helium", "neon"], "B"),
@@ -47,14 +47,14 @@ def test_gsm8k_multiple_choice_distractors() -> None:
     assert task.doc_to_target(doc) == 0
 
 
-def test_a_task_population_is_its_documents_with_the_words_lm_eval_counts() -> None:
+def test_a_word_perplexity_task_weighs_its_documents_by_the_words_lm_eval_counts() -> None:
     """gsm8k_ppl scores "Question: ...\nAnswer: ..." per test document; its words, counted here from the
-    jsonl as lm-eval's count_words does (whitespace runs), weight the draws. gsm8k's are uniform."""
+    jsonl as lm-eval's count_words does (whitespace runs), weight its order. gsm8k reports no perplexity."""
     words = gsm8k_ppl_words()
-    ppl = task_population(lm_eval_config(get_tasks(["gsm8k_ppl"])[0], DATA_DIR), by_words=True)
-    assert ppl.weights == {str(i): w for i, w in enumerate(words)} and len(words) == 1319
-    uniform = task_population(lm_eval_config(get_tasks(["gsm8k"])[0], DATA_DIR), by_words=False)
-    assert uniform.weights == {str(i): 1.0 for i in range(1319)}
+    ppl = lm_eval_config(get_tasks(["gsm8k_ppl"])[0], DATA_DIR)
+    assert reports_word_perplexity(ppl)
+    assert task_words(ppl) == dict(enumerate(words)) and len(words) == 1319
+    assert not reports_word_perplexity(lm_eval_config(get_tasks(["gsm8k"])[0], DATA_DIR))
 
 
 def test_missing_task_data_is_one_clear_error(tmp_path: Path) -> None:

@@ -18,7 +18,10 @@ from qserve.tune.search import next_k, predicted_k, search_order
 
 # recipes/smollm2-tuned.yaml promises a pass at this many gsm8k_ppl documents (README, "qserve tune"):
 # the search's, and as many held-out ones for the confirmation.
-TUNED_LIMIT = 100
+# The shipped tuned recipe's promise: its candidate (about +3 % perplexity against +5.26 % allowed) passes the
+# betting gate at the log 2 cap in about 160 documents (4 runs in 5, as its gate simulated at 100), so the
+# search scores 300 and the held-out confirmation the 300 after them.
+TUNED_LIMIT = 300
 
 MIXED = """\
 name: m
@@ -103,8 +106,8 @@ def test_the_search_starts_at_the_prediction_gallops_then_bisects() -> None:
 @pytest.mark.slow
 @pytest.mark.matrix  # the shipped tuned recipe's cell: a search, two evals and two quantizations
 def test_tune_finds_a_smaller_mix_that_passes_in_vllm_and_its_recipe_remakes_it(checkpoints, passed_eval, tmp_path: Path) -> None:
-    """One candidate (the predicted k) at the shipped tuned recipe's promise, gsm8k_ppl at 100 documents: it
-    must pass the 0.95 gate in vLLM with engine parity, again on the 100 documents after those (held out
+    """One candidate (the predicted k) at the shipped tuned recipe's promise, gsm8k_ppl at TUNED_LIMIT documents:
+    it must pass the 0.95 gate in vLLM with engine parity, again on the documents after those (held out
     from the search), with fewer quantized-layer bytes than uniform W8A8,
     and recipes/smollm2-tuned.yaml, plainly quantized, must re-make its weights bit for bit (so the
     shipped recipe's checkpoint is the one that passed)."""
@@ -140,8 +143,11 @@ def test_tune_finds_a_smaller_mix_that_passes_in_vllm_and_its_recipe_remakes_it(
         "look": record["look"]["number"],
     }
     assert record["parity"]["tolerance"]["max_mean_abs_logprob_diff"] == 0.35  # INT8 activations: the looser bound
-    assert gate["bounds"]["upper"] < gate["bounds"]["allowed"] and gate["criteria"] == {"min_recovery": 0.95}
-    assert gate["test"] == f"paired t on {TUNED_LIMIT} documents' linearized terms"
+    assert gate["criteria"] == {"min_recovery": 0.95} and gate["evidence"]["criteria"]["min_recovery"]["decision"] == "pass"
+    assert gate["test"].startswith(
+        f"betting without replacement (Waudby-Smith and Ramdas 2020) on the task's {1319 - TUNED_LIMIT} items after the "
+        f"first {TUNED_LIMIT} of its order (a claim about them), in the seeded order size-biased by words"
+    )
     assert f"recovery {winner['recovery']:.4f}, PASS" in proc.stdout
     assert (
         f"confirmation on held-out items {TUNED_LIMIT}-{2 * TUNED_LIMIT - 1}: PASS, recovery {gate['recovery']:.4f}"

@@ -12,9 +12,9 @@ from qserve.cli._common import user_errors as _user_errors  # noqa: F401  (tests
 app = typer.Typer(
     name="qserve",
     help="Quantize an LLM, gate its accuracy with lm-eval, and serve it on vLLM with matched arguments.\n\n"
-    "One command: `qserve run recipes/w8a8-int8.yaml --tasks gsm8k_ppl --limit 100` (quantize -> eval -> serve, "
+    "One command: `qserve run recipes/w8a8-int8.yaml --tasks gsm8k_ppl --limit 150` (quantize -> eval -> serve, "
     "reusing finished steps).\n\n"
-    "Step by step: `qserve quantize recipes/w8a8-int8.yaml` -> `qserve eval --tasks gsm8k_ppl --limit 100` -> "
+    "Step by step: `qserve quantize recipes/w8a8-int8.yaml` -> `qserve eval --tasks gsm8k_ppl --limit 150` -> "
     "`qserve serve out-w8a8-int8`.\n\n"
     "Also: `qserve doctor` (what runs here), `qserve inspect CKPT`, `qserve reproduce CKPT`, `qserve sign CKPT`, "
     "`qserve compare recipes/*.yaml`, `qserve tune RECIPE` (the smallest per-layer mix that passes), "

@@ -176,7 +176,7 @@ def eval_(
 
     \b
     Examples:
-      qserve eval out-w8a8-int8 --tasks gsm8k_ppl --limit 100
+      qserve eval out-w8a8-int8 --tasks gsm8k_ppl --limit 150
       qserve eval out-w8a8-int8 --tasks gsm8k,arc_challenge --datasets ~/hf-datasets
       qserve eval out-w8a8-int8 --tasks my_task --include-path my_tasks/
       qserve eval out-w8a8-int8 --tasks gsm8k_cot_llama --apply-chat-template --fewshot-as-multiturn --limit 100

@@ -82,7 +82,7 @@ def run(
 
     \b
     Examples:
-      qserve run recipes/w8a8-int8.yaml --tasks gsm8k_ppl --limit 100
+      qserve run recipes/w8a8-int8.yaml --tasks gsm8k_ppl --limit 150
       qserve run recipes/w4a16-gptq.yaml --tasks gsm8k_ppl --limit 100 --port 8001 -- --max-num-seqs 8
     """
     from qserve.evaluate.evaluation import EvalOptions

@@ -68,7 +68,7 @@ def tune(
 
     \b
     Examples:
-      qserve tune recipes/w8a8-int8.yaml --tasks gsm8k_ppl --limit 100
+      qserve tune recipes/w8a8-int8.yaml --tasks gsm8k_ppl --limit 300
       qserve tune recipes/w8a8-int8.yaml --sensitivity-only
     """
     from qserve.runtime.process import bounded_in_process_stop

@@ -119,7 +119,7 @@ def evaluate(checkpoint: str | Path | Checkpoint | None = None, options: EvalOpt
         baselines.check_sane(plan.manifest.source_model["id"], task.name, task.metric, base.score(task.name, task.metric)[0])
     look = _look(plan, options)
     decided = decide_gates(
-        plan.specs, {t.name: t.metric for t in plan.tasks}, base, quant, look["level"], plan.groups, window.sizes
+        plan.specs, {t.name: t.metric for t in plan.tasks}, base, quant, look["level"], plan.groups, window.sizes, window.words
     )
     final = verdict(decided)
     if "fail" in (parity_result["status"], extra["kv_cache"]["status"]):

@@ -10,7 +10,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -20,9 +20,6 @@ from qserve.errors import QserveError
 from qserve.gate.core import Group
 from qserve.paths import project_data
 from qserve.progress import info
-
-if TYPE_CHECKING:
-    from qserve.gate.betting import Population
 
 
 class TaskDef(BaseModel):
@@ -408,19 +405,20 @@ def task_size(config: dict[str, Any]) -> int:
     return len(_eval_docs(config))
 
 
-def task_population(config: dict[str, Any], by_words: bool) -> Population:
-    """The documents the betting test draws from, as lm-eval scores them (a complete `lm_eval_config`):
-    lm-eval's doc ids (the index in its evaluation split), each weighted by its words as lm-eval counts
-    them for word perplexity (`by_words`), else 1. Read from the texts, before any model runs."""
+def reports_word_perplexity(config: dict[str, Any]) -> bool:
+    """Whether a task (a complete `lm_eval_config`) reports word perplexity: a rolling log-likelihood task
+    whose metric list names it, or names nothing (lm-eval then reports all three perplexities)."""
+    metrics = {m.get("metric") for m in config.get("metric_list") or []}
+    return config.get("output_type") == "loglikelihood_rolling" and (not metrics or "word_perplexity" in metrics)
+
+
+def task_words(config: dict[str, Any]) -> dict[int, float]:
+    """Each document's words as lm-eval counts them for word perplexity (its `count_words` of the
+    target), by lm-eval's doc id: read from the texts, before any model runs."""
     from lm_eval.api.task import ConfigurableTask
 
-    from qserve.gate.betting import Population
-
     task = ConfigurableTask(config=config)
-    docs = _eval_docs(config, task)
-    if not by_words:
-        return Population(list(range(len(docs))))
-    return Population({i: task.count_words(task.doc_to_target(doc)) for i, doc in enumerate(docs)})
+    return {i: float(task.count_words(task.doc_to_target(doc))) for i, doc in enumerate(_eval_docs(config, task))}
 
 
 def _eval_docs(config: dict[str, Any], task: Any = None) -> list[Any]:

@@ -71,7 +71,7 @@ touch); so its order is size-biased instead (`in_order` with every document's wo
 gate/order.weighted_order), each next document taken with probability its words over the words not
 yet taken, and the bet is on the per-word change against the weighted mean the rest would need
 (`wor_paths` with weights): the draws' per-word scale without their repeats, and no more documents
-than the draws on GSM8K's lengths. `qserve eval` does not take that order yet.
+than the draws on GSM8K's lengths. `qserve eval --limit` takes that order on word-perplexity tasks.
 
 Evidence carries the draws consumed, the bettors' state, the seed, the level, the spec and a digest of
 the population; a later call continues from the next draw, draws already consumed add nothing, and
@@ -225,8 +225,8 @@ def decide(
     any score is seen (default 0, or the evidence's).
 
     A population `in_order` is taken without replacement instead: the items after those consumed, in
-    its order, while both models scored them, up to `limit` items or the last (which decides exactly);
-    binary and mean specs only, as corpus perplexity bets on size-biased draws."""
+    its order, while both models scored them, up to `limit` items or the last (which decides exactly):
+    uniformly random for binary and mean specs, size-biased by words (`weights`) for perplexity."""
     if population.order is not None and (order_seed is not None or (spec.kind == "perplexity") != population.weighted):
         raise ValueError(
             "a population in order is taken as it is (no seed): uniformly random for binary and mean specs, "
@@ -311,18 +311,30 @@ def draws_to_decide(
 
 
 def items_to_pass_in_order(
-    seen: list[float], spec: Spec, size: int, alpha: float = ALPHA, paths: int = 400, share: float = 0.8, seed: int = 0
+    seen: list[float],
+    spec: Spec,
+    size: int,
+    alpha: float = ALPHA,
+    paths: int = 400,
+    share: float = 0.8,
+    seed: int = 0,
+    weights: list[float] | None = None,
 ) -> float:
     """The items by which `share` of simulated runs pass, continuing a bet without replacement on a test
     set of `size` items whose first items' degradations were `seen` (in the order bet on): each run
     fills the items not yet scored by drawing from `seen`, and bets on all of them in order, as
-    `decide` on an in-order population does. math.inf when fewer than `share` pass by the last item."""
+    `decide` on an in-order population does. `weights`: every item's, in the order, for a size-biased
+    order (perplexity). math.inf when fewer than `share` pass by the last item."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
     first = np.repeat(np.asarray(seen, dtype=float)[:, None], paths, axis=1)
     d = np.concatenate([first, rng.choice(np.asarray(seen, dtype=float), size=(size - len(seen), paths))])
-    wealth = wor_paths(d, *spec.bet_range(), size)
+    if weights is None:
+        wealth = wor_paths(d, *spec.bet_range(), size)
+    else:
+        w = np.asarray(weights, dtype=float)
+        wealth = wor_paths(d, *spec.bet_range(), size, weights=w[:, None], total=float(w.sum()))
     hit = {side: wealth[f"log_wealth_{side}"][1:] >= math.log(1 / alpha) for side in ("pass", "fail")}
     at = {side: np.where(h.any(0), h.argmax(0) + 1, math.inf) for side, h in hit.items()}
     passed = np.where(at["pass"] < at["fail"], at["pass"], math.inf)

@@ -120,8 +120,10 @@ def decide_gates(
     level: float,
     groups: dict[str, Group] | None = None,
     sizes: dict[str, int] | None = None,
+    words: dict[str, dict[int, float]] | None = None,
 ) -> list[Gate]:
-    """Each task's (or group's) gates; a spec without a metric gates the headline. Scores in [0, 1] are
+    """Each task's (or group's) gates; a spec without a metric gates the headline. Scores in [0, 1], and
+    word perplexity on a task whose documents' `words` are given (its order is size-biased by them), are
     decided by betting (evidence.py) on the items in the task's seeded order (`sizes`: each task's
     documents, where fewer were scored): at 5 % over every look when each look takes a prefix of that
     order, else at `level`; the rest by stats.py's bounds at one-sided `level`."""
@@ -144,10 +146,11 @@ def decide_gates(
             better = base.higher_is_better(task, metric)
             cmp = stats.compare(metric, better, b, q, level)
             headline = metric == headlines[task]
-            if cmp.non_finite or not evidence.bettable(spec, metric, better, b[2], q[2]):
+            by_words = (words or {}).get(task) if evidence.by_words(metric) else None
+            if cmp.non_finite or not evidence.bettable(spec, metric, better, b[2], q[2], by_words):
                 decided.append(decide(task, spec, cmp, headline=headline))
                 continue
-            items = evidence.ordered(task, sorted(b[2]), _size(task, groups, sizes))
+            items = evidence.ordered(task, sorted(b[2]), _size(task, groups, sizes), by_words)
             alpha = evidence.ALPHA if items.free else level
             found = evidence.decide_gate(b[2], q[2], spec, metric, better, items.population, alpha=alpha)
             decided.append(decide_by_betting(task, spec, cmp, found, items, headline=headline))

@@ -173,6 +173,12 @@ def decide_by_betting(
     are shown as `decide` computes them."""
     shown = decide(task, spec, cmp, headline=headline)
     where = f"{items.size} items of the task" if items.whole else f"the {items.size} scored items (a claim about them)"
+    if items.after:
+        where = f"the task's {items.size} items after the first {items.after} of its order (a claim about them)"
+    order = "the seeded order"
+    if items.population.weighted:
+        cap = next(iter(found.criteria.values())).evidence.spec["cap"]
+        order = f"the seeded order size-biased by words, on each document's loss change per word (within ±{cap:.3g} nats)"
     level = "at 5 % over every look" if items.free else f"at {found.alpha:.2%}, this look's share of 5 %"
     status, needed = Status(found.status), None
     reason = (
@@ -198,8 +204,10 @@ def decide_by_betting(
         status=status,
         reason=reason,
         signal=shown.allowed_degradation is not None,
-        test=f"betting without replacement (Waudby-Smith and Ramdas 2020) on {where}, in the seeded order, {level}",
+        test=f"betting without replacement (Waudby-Smith and Ramdas 2020) on {where}, in {order}, {level}",
         items_needed=needed,
+        # The t bound's sample-size rule is not the bet's: only the bounds themselves are shown.
+        bounds={k: v for k, v in shown.bounds.items() if k not in ("skewness", "items_for_a_pass")} if shown.bounds else None,
         evidence={"criteria": criteria, "population": items.size, "whole": items.whole, "threshold": 1 / found.alpha},
     )
 
@@ -217,7 +225,8 @@ def _items_to_pass(cmp: Comparison, found: GateDecision, items: Ordered) -> int 
         terms = (found.terms or {})[criterion]
         seen = [terms[i] for i in order if i in terms]
         spec = betting.Spec(**decision.evidence.spec)
-        at = betting.items_to_pass_in_order(seen, spec, items.size, found.alpha)
+        weights = [items.population.weights[i] for i in order] if items.population.weighted else None
+        at = betting.items_to_pass_in_order(seen, spec, items.size, found.alpha, weights=weights)
         if not math.isfinite(at):
             return None
         needed = max(needed, int(at))

@@ -12,8 +12,10 @@ bets on, so no allowance rests on a measured baseline:
   size-biased draws (betting.py says why). `max_drop` in perplexity points would rest on the measured
   baseline, and is refused.
 Anything else (bits_per_byte, unbounded per-item scores) has no declared range yet and is refused.
-`qserve eval` and `qserve gate` decide every gate `bettable` says yes to through `decide_gate`; the
-rest (perplexities too, until --limit takes their size-biased draws) keep stats.py's bounds.
+`qserve eval` and `qserve gate` decide every gate `bettable` says yes to through `decide_gate`: scores
+in [0, 1], and word perplexity where the task's order is size-biased by words (`qserve eval`'s
+--limit takes it so: gate/order.py). The rest (byte perplexity, word perplexity of runs made
+elsewhere, bits_per_byte) keep stats.py's bounds.
 
 A spec with several criteria passes only when every one passes (an intersection-union test: each at
 alpha, so the pass keeps alpha), fails when any fails, and is inconclusive otherwise.
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qserve.gate import betting
-from qserve.gate.order import in_seeded_order, item_order
+from qserve.gate.order import in_seeded_order, item_order, weighted_order
 from qserve.gate.spending import ALPHA
 from qserve.spec.gates import GateSpec
 
@@ -38,7 +40,7 @@ class GateDecision:
     criteria: dict[str, betting.Decision]  # criterion -> its test's decision and evidence
     reason: str
     alpha: float = ALPHA
-    # criterion -> doc id -> the degradation bet on (scores only: what a simulation of more items draws from)
+    # criterion -> doc id -> the degradation bet on (what a simulation of more items draws from)
     terms: dict[str, dict[str, float]] | None = None
 
     def evidence(self) -> dict[str, str]:
@@ -95,6 +97,8 @@ def decide_gate(
         decisions[criterion] = betting.decide(scaled, quant, spec, population, carried, alpha, limit=limit)
         if spec.kind != "perplexity":
             terms[criterion] = {str(k): float(v) - float(quant[k]) for k, v in scaled.items() if k in quant}
+        else:  # the loss change per word bet on (the item's [loglikelihood, words])
+            terms[criterion] = {str(k): (float(v[0]) - float(quant[k][0])) / float(v[1]) for k, v in base.items() if k in quant}
     reason = "; ".join(f"{c}: {d.reason}" for c, d in decisions.items())
     return GateDecision(_status(decisions), decisions, reason, alpha, terms or None)
 
@@ -115,14 +119,33 @@ def _check_scores(metric: str, base: dict[Any, Any], quant: dict[Any, Any]) -> N
             )
 
 
+def by_words(metric: str) -> bool:
+    """Whether a metric's gate bets on documents size-biased by their words (word perplexity)."""
+    return metric.partition(",")[0] == "word_perplexity"
+
+
 def bettable(
-    gate: GateSpec, metric: str, higher_is_better: bool, base: dict[Any, Any] | None, quant: dict[Any, Any] | None
+    gate: GateSpec,
+    metric: str,
+    higher_is_better: bool,
+    base: dict[Any, Any] | None,
+    quant: dict[Any, Any] | None,
+    words: dict[int, float] | None = None,
 ) -> bool:
     """Whether `decide_gate` decides this gate today: per-item scores in [0, 1], higher is better, no
-    max_increase (corpus perplexities wait for --limit to take their size-biased draws)."""
-    if metric.partition(",")[0] in PERPLEXITIES or not base or not quant or not higher_is_better:
+    max_increase; or word perplexity ([loglikelihood, words] per document) with the task's `words`, by
+    which its order is size-biased, no max_drop (perplexity points of the measured baseline) and an
+    allowance inside the cap."""
+    if not base or not quant:
         return False
-    if gate.max_increase is not None:
+    if by_words(metric):
+        try:  # max_drop, or an allowance at or past the cap (no bet can fail it): stats.py's bound instead
+            hypotheses(gate, metric, higher_is_better)
+        except ValueError:
+            return False
+        pairs = list(base.values()) + list(quant.values())
+        return words is not None and all(isinstance(v, list) and len(v) == 2 for v in pairs)
+    if metric.partition(",")[0] in PERPLEXITIES or not higher_is_better or gate.max_increase is not None:
         return False
     values = list(base.values()) + list(quant.values())
     return all(isinstance(v, float) and 0.0 <= v <= 1.0 for v in values)
@@ -131,21 +154,26 @@ def bettable(
 @dataclass(frozen=True)
 class Ordered:
     """The items a gate bets on, in the order it takes them. `whole`: a claim about the task (its seeded
-    order from the first document, or every document); otherwise about the scored items alone. `free`:
-    every look takes a prefix of the same order, so one wealth process is watched and Ville's inequality
-    holds over all looks; otherwise each look is a new test and spends its own share of 5 %."""
+    order from the first document, or every document); otherwise about the scored items alone, or with
+    `after` about the task's documents after the first `after` of its order. `free`: every look takes a
+    prefix of the same order, so one wealth process is watched and Ville's inequality holds over all
+    looks; otherwise each look is a new test and spends its own share of 5 %."""
 
     population: betting.Population
     size: int
     whole: bool
     free: bool
+    after: int = 0
 
 
-def ordered(task: str, scored: list[str], size: int | None) -> Ordered:
+def ordered(task: str, scored: list[str], size: int | None, words: dict[int, float] | None = None) -> Ordered:
     """The population for `scored` doc ids of `task` with `size` documents: when they are the first items
     of the task's seeded order (what --limit takes), that whole order, a uniformly random order of the
     documents fixed before any score; otherwise (an --offset, file order, or an lm-eval group's pooled
-    `member/doc` keys) the scored items alone, in the seeded order."""
+    `member/doc` keys) the scored items alone, in the seeded order. With `words` (every document's), the
+    order is size-biased by them (gate/order.weighted_order)."""
+    if words is not None:
+        return _by_words(task, scored, words)
     if size is not None and all(i.isdigit() for i in scored):
         order = [str(i) for i in item_order(task, size)]
         if set(order[: len(scored)]) == set(scored):
@@ -153,3 +181,23 @@ def ordered(task: str, scored: list[str], size: int | None) -> Ordered:
     own = in_seeded_order(task, scored)
     whole = size is None or len(own) == size
     return Ordered(betting.Population.in_order(own), len(own), whole, whole)
+
+
+def _by_words(task: str, scored: list[str], words: dict[int, float]) -> Ordered:
+    """Word perplexity's population: the task's size-biased order from its first document when `scored`
+    is a prefix of it. An --offset block is the rest of that order after the documents before it (given
+    those, the rest is a size-biased order of the remaining documents, as the race is memoryless), a
+    claim about them. Any other set (file order) is the scored documents alone, in the race's order."""
+    weights = {str(i): float(w) for i, w in words.items()}
+    order = [str(i) for i in weighted_order(task, weights)]
+    place = {doc: k for k, doc in enumerate(order)}
+    if unknown := sorted(set(scored) - set(place))[:5]:
+        raise ValueError(f"{task}: scored documents outside the task: {', '.join(unknown)}")
+    first = min((place[i] for i in scored), default=0)
+    if set(order[first : first + len(scored)]) == set(scored):
+        rest = order[first:]
+        population = betting.Population.in_order(rest, {i: weights[i] for i in rest})
+        return Ordered(population, len(rest), first == 0, first == 0, first)
+    own = [i for i in order if i in set(scored)]
+    population = betting.Population.in_order(own, {i: weights[i] for i in own})
+    return Ordered(population, len(own), len(own) == len(order), len(own) == len(order))

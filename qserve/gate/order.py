@@ -1,6 +1,8 @@
 """The order items are taken in: --limit scores the first N of it, and the gate's betting takes the
 scored items in it without replacement (betting.Population.in_order). Fixed before any score by a
-hash, so a larger --limit continues a smaller one and every run of the same task agrees on it."""
+hash, so a larger --limit continues a smaller one and every run of the same task agrees on it.
+Uniformly random (`item_order`), except on tasks that report word perplexity, whose documents come
+size-biased by their words (`weighted_order`: betting.py says why)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from typing import Any
 
 ORDER_SEED = 0
 # How --limit picks items, recorded with every limited eval: a change of rule is a change of items.
-ORDER = f"sha256({ORDER_SEED}, task, doc id)"
+ORDER = f"sha256({ORDER_SEED}, task, doc id), size-biased by words on word-perplexity tasks"
 
 
 def item_order(task: str, size: int, seed: int = ORDER_SEED) -> list[int]:

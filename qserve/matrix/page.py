@@ -105,7 +105,7 @@ def _real_section(real: list[dict[str, Any]]) -> list[str]:
         "transformers computes on the same quantized weights, and that the server answers; it says nothing about "
         "accuracy, since a random model has none to keep. The real-weights column does: a trained model that a "
         "package ships, held as a GGUF file as users hold it, quantized with the shipped recipe and gated in vLLM "
-        "as `qserve eval` gates (word perplexity on the first 100 GSM8K test solutions, the default 0.95 recovery "
+        "as `qserve eval` gates (word perplexity on a seeded sample of GSM8K test solutions, each row saying how many, the default 0.95 recovery "
         "against the model as vLLM serves it by default). Made by `qserve matrix --real-weights`; each row gives "
         "the commit, date and CPU it ran on.",
         "",

@@ -18,7 +18,7 @@ from typing import Any
 from qserve.errors import QserveError
 from qserve.progress import info
 
-TASK, LIMIT = "gsm8k_ppl", 100  # the demo's gate: word perplexity on 100 GSM8K test solutions
+TASK, LIMIT = "gsm8k_ppl", 150  # the demo's gate: word perplexity on 150 GSM8K test solutions
 
 
 @dataclass(frozen=True)
