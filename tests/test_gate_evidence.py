@@ -144,3 +144,22 @@ def test_word_perplexity_bets_on_the_size_biased_order_and_names_a_document_past
     broken = quant | {order[7]: [-(2.0 + 0.8) * words[int(order[7])], words[int(order[7])]]}
     got = decide_gate(base, broken, GateSpec(min_recovery=0.95), "word_perplexity,none", False, first.population)
     assert got.status == "fail" and f"document {order[7]}: the loss changed by more than the cap of 0.693" in got.reason
+
+
+def test_a_recipe_may_declare_the_cap_and_a_cap_that_could_never_fail_is_refused() -> None:
+    """`cap` is the range word perplexity's bet is declared in: a recipe's replaces log 2 in every
+    criterion; a cap on another metric, or at or below log(1 + the allowed rise), is one error line."""
+    from qserve.errors import InvalidSpec
+    from qserve.spec.gates import check_allowance
+
+    spec = GateSpec(min_recovery=0.95, max_increase=0.04, cap=0.405)
+    found = hypotheses(spec, "word_perplexity,none", False)
+    assert {c: s.cap for c, (s, _) in found.items()} == {"min_recovery": 0.405, "max_increase": 0.405}
+    assert {c: s.bet_range()[:2] for c, (s, _) in found.items()} == {c: (-0.405, 0.405) for c in found}
+    check_allowance("gsm8k_ppl", spec, "word_perplexity,none")
+    with pytest.raises(InvalidSpec, match="cap bounds word_perplexity's per-document loss change, not acc"):
+        check_allowance("arc", GateSpec(min_recovery=0.95, cap=0.4), "acc,none")
+    with pytest.raises(
+        InvalidSpec, match=r"cap 0\.05 nats per word is at or below the allowed rise's log\(1 \+ 0\.05263\) = 0\.05129"
+    ):
+        check_allowance("gsm8k_ppl", GateSpec(min_recovery=0.95, cap=0.05), "word_perplexity,none")

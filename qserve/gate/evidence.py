@@ -9,8 +9,9 @@ bets on, so no allowance rests on a measured baseline:
   are taken without replacement in the task's seeded order (`Population.in_order`).
 - corpus perplexities (word_perplexity, byte_perplexity; lm-eval's per-document [loglikelihood,
   count]): `min_recovery` r lets the corpus perplexity rise by 1/r - 1, `max_increase` a by a, on
-  size-biased draws (betting.py says why). `max_drop` in perplexity points would rest on the measured
-  baseline, and is refused.
+  size-biased draws (betting.py says why), each document's per-word loss change within the spec's
+  `cap` (default log 2). `max_drop` in perplexity points would rest on the measured baseline, and is
+  refused.
 Anything else (bits_per_byte, unbounded per-item scores) has no declared range yet and is refused.
 `qserve eval` and `qserve gate` decide every gate `bettable` says yes to through `decide_gate`: scores
 in [0, 1], and word perplexity where the task's order is size-biased by words (`qserve eval`'s
@@ -57,10 +58,11 @@ def hypotheses(gate: GateSpec, metric: str, higher_is_better: bool) -> dict[str,
             raise ValueError(
                 f"max_drop on {name} is in perplexity points of the measured baseline; give max_increase (a share) or min_recovery"
             )
+        cap = betting.DEFAULT_CAP if gate.cap is None else gate.cap
         if gate.min_recovery is not None:
-            out["min_recovery"] = betting.Spec("perplexity", 1 / gate.min_recovery - 1), 1.0
+            out["min_recovery"] = betting.Spec("perplexity", 1 / gate.min_recovery - 1, cap=cap), 1.0
         if gate.max_increase is not None:
-            out["max_increase"] = betting.Spec("perplexity", gate.max_increase), 1.0
+            out["max_increase"] = betting.Spec("perplexity", gate.max_increase, cap=cap), 1.0
         return out
     if not higher_is_better or gate.max_increase is not None:
         raise ValueError(f"{metric}: betting takes per-item scores in [0, 1] where higher is better, or a corpus perplexity")

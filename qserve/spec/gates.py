@@ -5,6 +5,8 @@ serve in the form it was parsed in; serving never imports the evaluation stack f
 
 from __future__ import annotations
 
+import math
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from qserve.errors import InvalidSpec, QserveError
@@ -21,6 +23,10 @@ class GateSpec(BaseModel):
     min_recovery: float | None = Field(None, gt=0, description="quantized/baseline (baseline/quantized for losses), at most 1")
     max_drop: float | None = Field(None, ge=0, description="largest allowed degradation in the metric's own units")
     max_increase: float | None = Field(None, ge=0, description="lower-is-better metrics: largest relative increase (0.05 = 5%)")
+    # Not a criterion: the range word perplexity's bet is declared in (gate/betting.py; default log 2).
+    cap: float | None = Field(
+        None, gt=0, description="word_perplexity: the largest loss change per word (nats) any one document may show"
+    )
 
     @model_validator(mode="after")
     def _has_criterion(self) -> GateSpec:
@@ -106,6 +112,21 @@ def check_allowance(task: str, spec: GateSpec, metric: str) -> None:
         raise InvalidSpec(
             f"gate on {task}: max_drop={spec.max_drop:g} on {name}, a proportion between 0 and 1, can never fail; "
             "give a drop below 1 (0.02 is 2 points)"
+        )
+    if spec.cap is not None:
+        _check_cap(task, spec, name)
+
+
+def _check_cap(task: str, spec: GateSpec, name: str) -> None:
+    """A cap is word perplexity's, and must leave room above the allowed rise, or no bet could ever fail."""
+    if name != "word_perplexity":
+        raise InvalidSpec(f"gate on {task}: cap bounds word_perplexity's per-document loss change, not {name}")
+    rises = [1 / spec.min_recovery - 1] if spec.min_recovery is not None else []
+    rises += [spec.max_increase] if spec.max_increase is not None else []
+    if rises and spec.cap <= math.log1p(max(rises)):
+        raise InvalidSpec(
+            f"gate on {task}: cap {spec.cap:g} nats per word is at or below the allowed rise's "
+            f"log(1 + {max(rises):.4g}) = {math.log1p(max(rises)):.4g}; give a cap above it"
         )
 
 
