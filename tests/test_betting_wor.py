@@ -217,6 +217,39 @@ def test_size_biased_order_level_holds_for_corpus_perplexity_of_every_shape(shap
     assert passes <= LIMIT and fails <= LIMIT
 
 
+# Median documents to a pass at half the allowance in a size-biased order, measured (seeded) below;
+# two other seeds moved each by at most 5 documents (3 %), so each is asserted with 15 % over it.
+WEIGHTED_MEDIANS = {
+    "normal": 155,
+    "lognormal-1": 154,
+    "lognormal-2": 164,
+    "pareto-2.1": 152,
+    "rare-1%": 153,
+    "rare-2%": 175,
+    "rare-5%": 244,
+    "length-correlated": 154,
+}
+
+
+@pytest.mark.parametrize("shape", WEIGHTED_SHAPES)
+def test_size_biased_order_passes_a_model_at_half_the_allowance_for_every_shape(shape: str) -> None:
+    """Power on every shape the size-biased order's level is shown on, on GSM8K's answer lengths:
+    per-word loss changes inside the log 2 cap whose corpus ratio is half the allowance log 1.05.
+    Over 1,000 orders none fails, every one passes by the test set's end (exact there), and the
+    median documents to a pass stay within 15 % of the measured one."""
+    words = _gsm8k_words()
+    delta, cap = math.log1p(0.05), math.log(2)
+    rng = np.random.default_rng([27, 0, WEIGHTED_SHAPES.index(shape)])
+    r = _per_word_population(shape, words, delta / 2, cap, rng)
+    order = _size_biased_orders(words, 1000, rng)
+    paths = betting.wor_paths(r[order], -cap, cap, delta, len(words), None, words[order], words.sum())
+    to_pass, to_fail = _first(paths["log_wealth_pass"]), _first(paths["log_wealth_fail"])
+    median = _median_to_pass(paths)
+    print(f"\nsize-biased order, {shape} at half the allowance: median documents to a pass {median}")
+    assert float(np.mean(to_fail < to_pass)) == 0.0 and float(np.mean(to_pass <= len(words))) == 1.0
+    assert median <= 1.15 * WEIGHTED_MEDIANS[shape]
+
+
 def test_size_biased_order_decides_corpus_perplexity_with_fewer_documents_than_draws() -> None:
     """The issue's goals for per-document losses at the default cap, a model at half the allowance
     log 1.05: normal per-word changes with sd the allowance (goal 150 items) and centred lognormal
