@@ -76,6 +76,34 @@ def test_the_0_1_gate_passes_good_models_at_the_n_users_run(binary_rows) -> None
             assert row == sorted(row), (allowance, gained, row)
 
 
+WORD_DRAWS = 1000  # each cell bets on up to 5,000 documents per draw, as the 0/1 cells do
+
+
+@pytest.fixture(scope="module")
+def word_rows() -> list[dict]:
+    return levels.simulate_word_perplexity(WORD_DRAWS)
+
+
+def test_word_perplexity_keeps_5_percent_over_every_look_for_every_shape_within_the_cap(word_rows) -> None:
+    """Word perplexity as qserve eval bets on it (size-biased documents, the log 2 cap): a model at the
+    allowance passes within n documents at most 5 % of the time (3 Monte-Carlo SE), n 50-5,000, on every
+    shape of stats.py's class and on the two outside it (1 % of documents carrying the loss, a tail
+    without a variance), which betting's class (any distribution within the cap) takes in."""
+    shapes = [s.name for s in levels.SHAPES + levels.OUTSIDE]
+    assert {(r["shape"], r["n"]) for r in word_rows} == {(s, n) for s in shapes for n in levels.BINARY_SIZES}
+    too_often = [r for r in word_rows if r["false_pass"] > levels.limit(WORD_DRAWS, 0.05)]
+    assert too_often == [], f"false-pass above {levels.limit(WORD_DRAWS, 0.05):.2%}: {too_often}"
+
+
+def test_word_perplexity_passes_a_model_at_half_the_allowance_by_500_documents(word_rows) -> None:
+    """Power: at half the allowance every shape passed all 1,000 runs by 500 documents (measured;
+    asserted at 95 %), and power grows with n."""
+    for shape in dict.fromkeys(r["shape"] for r in word_rows):
+        row = [r["power"] for r in word_rows if r["shape"] == shape]
+        assert row == sorted(row), (shape, row)
+        assert dict(zip(levels.BINARY_SIZES, row))[500] >= 0.95, (shape, row)
+
+
 def test_an_allowance_relative_to_the_measured_baseline_keeps_the_level() -> None:
     """min_recovery's allowance is a share of the baseline's measured accuracy, which is noisy and
     correlated with the items lost (a lost item is one the baseline got right). Simulated as the gate

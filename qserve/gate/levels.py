@@ -1,8 +1,8 @@
 """How often each gate bound passes a model at exactly the allowance (its false-pass rate) and at
 half of it (its power), by sample size and by the shape of the per-item losses, simulated.
 
-The bounds are qserve's own (stats.py), called on simulated items exactly as `qserve eval` calls
-them on lm-eval's. tests/test_gate_levels.py asserts the levels; `qserve gate-levels` prints the
+The bounds are qserve's own (stats.py; betting.py for 0/1 items and word perplexity), called on
+simulated items exactly as `qserve eval` calls them on lm-eval's. tests/test_gate_levels.py asserts the levels; `qserve gate-levels` prints the
 table a user reads to choose --limit. Seeded: the same call gives the same table.
 """
 
@@ -177,6 +177,56 @@ def simulate_binary(draws: int = 2000, sizes: tuple[int, ...] = BINARY_SIZES, se
     return rows
 
 
+# Word perplexity under `qserve eval`: documents of this many (20-200 words each) stand for a task much
+# larger than n, drawn in proportion to their words as its size-biased order takes them.
+CORPUS_DOCUMENTS = 20_000
+
+
+def word_population(shape: Shape, mean: float, rng) -> tuple[Any, Any]:
+    """CORPUS_DOCUMENTS documents' (per-word loss change, words) of one shape as corpus_sample draws
+    them, each inside 0.95 of the cap, shifted so that the corpus's loss per word is exactly `mean`."""
+    import numpy as np
+
+    cap = betting.DEFAULT_CAP
+    base, words, quant, _ = corpus_sample(shape, mean, CORPUS_DOCUMENTS, 1, rng)
+    r = np.clip(((base - quant) / words)[:, 0], -0.95 * cap, 0.95 * cap)
+    w = words[:, 0]
+    r += mean - (w * r).sum() / w.sum()
+    return np.clip(r, -cap, cap), w
+
+
+def word_perplexity_passes(shape: Shape, mean: float, sizes: tuple[int, ...], draws: int, rng) -> dict[int, Any]:
+    """Word perplexity as `qserve eval` decides it (betting.py, the perplexity bet at the default cap, 5 %
+    over every look): per n in `sizes`, which runs passed within their first n documents."""
+    import numpy as np
+
+    r, words = word_population(shape, mean, rng)
+    d = r[rng.choice(len(r), size=(max(sizes), draws), p=words / words.sum())]
+    wealth = betting.wealth_paths(d, *betting.Spec("perplexity", math.expm1(ALLOWANCE)).bet_range())
+    first = {}
+    for side in ("pass", "fail"):
+        hit = wealth[f"log_wealth_{side}"][1:] >= math.log(1 / ALPHA)
+        first[side] = np.where(hit.any(0), hit.argmax(0) + 1, math.inf)
+    return {n: (first["pass"] <= n) & (first["pass"] < first["fail"]) for n in sizes}
+
+
+def simulate_word_perplexity(draws: int = 2000, sizes: tuple[int, ...] = BINARY_SIZES, seed: int = 0) -> list[dict[str, Any]]:
+    """One row per shape (the class of stats.py's bound and the shapes outside it) and n: how often
+    betting passes a model at exactly the allowance and one at half of it."""
+    import numpy as np
+
+    rows = []
+    for k, shape in enumerate(SHAPES + OUTSIDE):
+        rng = np.random.default_rng([seed, 200 + k])
+        at, half = (word_perplexity_passes(shape, m, sizes, draws, rng) for m in (ALLOWANCE, ALLOWANCE / 2))
+        rows += [
+            {"bound": "betting", "shape": shape.name, "n": n}
+            | {"false_pass": float(np.mean(at[n])), "power": float(np.mean(half[n])), "draws": draws, "level": ALPHA}
+            for n in sizes
+        ]
+    return rows
+
+
 def simulate(
     draws: int = 2000,
     sizes: tuple[int, ...] = SIZES,
@@ -235,9 +285,10 @@ def markdown(
     provenance: str,
     later: list[dict[str, Any]],
     sequence: list[dict[str, Any]],
+    words: list[dict[str, Any]],
 ) -> str:
     """The tables as a page: false pass at the allowance / power, per n."""
-    out = _intro(rows[0]["draws"], rows[0]["level"], provenance) + _binary_section(binary)
+    out = _intro(rows[0]["draws"], rows[0]["level"], provenance) + _binary_section(binary) + _word_perplexity_section(words)
     out += _means_section(rows, later) + _sequence_section(sequence) + _outside_section(tails)
     return "\n".join(out)
 
@@ -253,10 +304,11 @@ def _intro(draws: int, level: float, provenance: str) -> list[str]:
         "",
         f"Each cell: how often qserve's gate PASSES a model whose true degradation is exactly the allowance "
         f"(false pass) / how often it passes a good model (power), over {draws} simulated samples of n items. "
-        f"0/1 items are decided by betting, at 5 % over every look (at most {limit(draws, ALPHA):.2%} allowed: "
-        f"5 % + 3 Monte-Carlo SE); the other tables use the bounds of a first look at a checkpoint's weights "
-        f"(one-sided {1 - level:.2%}, at most {level:.2%} + 3 SE = {limit(draws, level):.2%} allowed; later looks "
-        f"spend less, so that all of them together stay within 5 %).",
+        f"0/1 items, and word perplexity as `qserve eval` scores it, are decided by betting, at 5 % over every "
+        f"look (at most {limit(draws, ALPHA):.2%} allowed: 5 % + 3 Monte-Carlo SE); the other tables (byte "
+        f"perplexity, bits per byte, word perplexity of lm-eval runs made elsewhere, other per-item means) use the "
+        f"bounds of a first look at a checkpoint's weights (one-sided {1 - level:.2%}, at most {level:.2%} + 3 SE = "
+        f"{limit(draws, level):.2%} allowed; later looks spend less, so that all of them together stay within 5 %).",
         "",
     ]
 
@@ -290,10 +342,38 @@ def _binary_section(binary: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def _word_perplexity_section(rows: list[dict[str, Any]]) -> list[str]:
+    out = [
+        "## Word perplexity under `qserve eval`",
+        "",
+        f"Decided by betting at {ALPHA:.0%} over every look on each document's loss change per word within the "
+        f"default cap (log 2 nats; a document beyond it fails the gate), the documents in the task's order "
+        f"size-biased by words, so the bet is on the corpus ratio itself. The level holds by Ville's inequality "
+        f"for every distribution within the cap: the shapes below, and those outside stats.py's class further down, "
+        f"are examples, not the class. Allowance +5 %; power: a model at half of it; n documents of a task much "
+        f"larger than n ({CORPUS_DOCUMENTS:,} documents of 20-200 words, drawn in proportion to their words).",
+        "",
+        "| shape | " + " | ".join(f"n={n}" for n in sorted({r["n"] for r in rows})) + " |",
+        "|---" * (len({r["n"] for r in rows}) + 1) + "|",
+    ]
+    shapes = {s.name: s.describe for s in SHAPES + OUTSIDE}
+    for name in dict.fromkeys(r["shape"] for r in rows):
+        cells = {r["n"]: r for r in rows if r["shape"] == name}
+        out.append(
+            f"| {shapes[name]} | "
+            + " | ".join(f"{c['false_pass']:.1%} / {c['power']:.0%}" for _, c in sorted(cells.items()))
+            + " |"
+        )
+    return [*out, ""]
+
+
 def _means_section(rows: list[dict[str, Any]], later: list[dict[str, Any]]) -> list[str]:
     level = rows[0]["level"]
     out = [
-        "## Perplexity, bits per byte and other per-item means",
+        "## Perplexity, bits per byte and other per-item means (stats.py's bounds)",
+        "",
+        "Byte perplexity, bits per byte, word perplexity of lm-eval runs made elsewhere (`qserve gate`) and per-item "
+        "means that are not 0/1.",
         "",
         "Power here: a model at half the allowance. Perplexity allowance +5 %. A pass needs the upper bound "
         f"(Student t's critical value t plus {stats.TAIL:g} t^2) under the allowance, n >= {min_items(level)} and "
@@ -383,7 +463,13 @@ def later_rows(draws: int = 2000) -> list[dict[str, Any]]:
 def page(draws: int = 2000) -> str:
     """docs/gate-levels.md: every table, seeded."""
     return markdown(
-        simulate(draws), simulate_binary(draws), tail_rows(draws), provenance(draws), later_rows(draws), sequence_rows(draws)
+        simulate(draws),
+        simulate_binary(draws),
+        tail_rows(draws),
+        provenance(draws),
+        later_rows(draws),
+        sequence_rows(draws),
+        simulate_word_perplexity(draws),
     )
 
 
