@@ -23,9 +23,19 @@ from qserve.checkpoint.manifest import EVAL_NAME, MANIFEST_NAME, hash_files, wri
 from qserve.errors import EXIT_GATE_INCONCLUSIVE, QserveError
 
 
-def _run(root: Path, name: str, lls: list[float], words: list[int], exact: list[float], qa_size: int | None = None) -> Path:
+def _run(
+    root: Path,
+    name: str,
+    lls: list[float],
+    words: list[int],
+    exact: list[float],
+    qa_size: int | None = None,
+    ppl_size: int | None = None,
+) -> Path:
     """`qa_size`: qa_task has that many documents and the run scored the first of its seeded order (as
-    `qserve eval --limit` picks them), lm-eval's n-samples saying so; else every document, ids 0, 1, ..."""
+    `qserve eval --limit` picks them), lm-eval's n-samples saying so; else every document, ids 0, 1, ...
+    `ppl_size`: ppl_task has that many documents and the run scored the first in file order (lm-eval's
+    own --limit)."""
     folder = root / name / "org__model"
     folder.mkdir(parents=True)
     ppl = math.exp(-sum(lls) / sum(words))
@@ -43,6 +53,8 @@ def _run(root: Path, name: str, lls: list[float], words: list[int], exact: list[
     qa_ids = list(range(len(exact))) if qa_size is None else expected_order("qa_task", qa_size)[: len(exact)]
     if qa_size is not None:
         results["n-samples"] = {"qa_task": {"original": qa_size, "effective": len(exact)}}
+    if ppl_size is not None:
+        results.setdefault("n-samples", {})["ppl_task"] = {"original": ppl_size, "effective": len(lls)}
     (folder / "results_2026-11-24T10-00-00.json").write_text(json.dumps(results))
     ppl_lines = [{"doc_id": i, "filter": "none", "word_perplexity": [ll, w]} for i, (ll, w) in enumerate(zip(lls, words))]
     qa_lines = [{"doc_id": i, "filter": "strict-match", "exact_match": v} for i, v in zip(qa_ids, exact)]
@@ -51,20 +63,24 @@ def _run(root: Path, name: str, lls: list[float], words: list[int], exact: list[
     return root / name
 
 
-def _pair(tmp_path: Path, n: int = 120, qa_size: int | None = None) -> tuple[Path, Path, np.ndarray, np.ndarray, np.ndarray]:
+def _pair(
+    tmp_path: Path, n: int = 120, qa_size: int | None = None, ppl_size: int | None = None
+) -> tuple[Path, Path, np.ndarray, np.ndarray, np.ndarray]:
     rng = random.Random(0)
     words = [rng.randint(20, 200) for _ in range(n)]
     base = [-2.0 * w + rng.gauss(0, 3) for w in words]
     quant = [b - 0.02 * w + rng.gauss(0, 2) for b, w in zip(base, words)]  # about +2 % perplexity
     exact_b = [float(i < 0.6 * n) for i in range(n)]
     exact_q = [0.0 if i in (3, 9, 27, 40) else 1.0 if i == n - 1 else v for i, v in enumerate(exact_b)]  # 4 lost, 1 gained
-    b = _run(tmp_path, "base", base, words, exact_b, qa_size)
-    q = _run(tmp_path, "quant", quant, words, exact_q, qa_size)
+    b = _run(tmp_path, "base", base, words, exact_b, qa_size, ppl_size)
+    q = _run(tmp_path, "quant", quant, words, exact_q, qa_size, ppl_size)
     return b, q, np.array(base), np.array(quant), np.array(words, dtype=float)
 
 
 def test_gate_on_two_lm_eval_runs_matches_the_definition(tmp_path: Path) -> None:
-    b, q, ll_b, ll_q, w = _pair(tmp_path)
+    """Word perplexity on lm-eval's own --limit (the first 120 of 1,319 documents in file order): not a
+    sample qserve drew, so stats.py's bound decides, recomputed here from its definition."""
+    b, q, ll_b, ll_q, w = _pair(tmp_path, ppl_size=1319)
     out = tmp_path / "gate.json"
     proc = run_qserve_in_process("gate", b, q, "--tasks", "ppl_task", "--gate", "ppl_task:max_increase=0.05", "--out", out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -85,6 +101,36 @@ def test_gate_on_two_lm_eval_runs_matches_the_definition(tmp_path: Path) -> None
 
 
 BETTING = "betting without replacement (Waudby-Smith and Ramdas 2020) on "
+
+
+def test_gate_on_every_document_of_a_perplexity_task_bets_in_the_size_biased_order(tmp_path: Path) -> None:
+    """Runs that scored every document: the gate bets on them in qserve eval's order, size-biased by the
+    words lm-eval counted, and the whole corpus is the population. Its ratio, computed here, is +1.7 %
+    against +5 % allowed: a fact once every document is scored, so the bet passes by the last one."""
+    b, q, ll_b, ll_q, w = _pair(tmp_path)
+    proc = run_qserve_in_process("gate", b, q, "--tasks", "ppl_task", "--gate", "ppl_task:max_increase=0.05", "--json")
+    assert proc.returncode == 0, proc.stderr
+    (gate,) = json.loads(proc.stdout)["gates"]
+    assert math.expm1((ll_b - ll_q).sum() / w.sum()) == pytest.approx(0.0174, abs=5e-4)
+    assert gate["test"] == (
+        BETTING + "120 items of the task, in the seeded order size-biased by words, on each document's loss change "
+        "per word (within ±0.693 nats), at 5 % over every look"
+    )
+    assert (gate["status"], gate["evidence"]["population"], gate["evidence"]["whole"]) == ("pass", 120, True)
+    assert gate["evidence"]["criteria"]["max_increase"]["items"] <= 120
+
+
+def test_gate_refuses_runs_that_count_other_words_for_a_document(tmp_path: Path) -> None:
+    b, q, *_ = _pair(tmp_path)
+    samples = next(q.rglob("samples_ppl_task_*.jsonl"))
+    lines = [json.loads(line) for line in samples.read_text().splitlines()]
+    lines[7]["word_perplexity"][1] += 1
+    samples.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    proc = run_qserve_in_process("gate", b, q, "--tasks", "ppl_task")
+    assert (proc.returncode, proc.stderr.strip()) == (
+        1,
+        "error: ppl_task: the runs count different words for document 7: they scored other texts",
+    )
 
 
 def test_gate_on_every_item_of_a_0_1_task_decides_exactly(tmp_path: Path) -> None:
@@ -317,7 +363,7 @@ def test_eval_and_gate_decide_alike_on_the_same_outputs(tmp_path: Path) -> None:
     from qserve.gate.external import gate_runs
     from qserve.spec.gates import GateSpec
 
-    b, q, *_ = _pair(tmp_path)
+    b, q, _, _, w = _pair(tmp_path)
     specs = {"ppl_task": [GateSpec(max_increase=0.05)], "qa_task": [GateSpec(min_recovery=0.95), GateSpec(max_drop=0.2)]}
     from_gate = gate_runs(b, q, specs, ["ppl_task", "qa_task"])["gates"]
     metrics = {"ppl_task": "word_perplexity,none", "qa_task": "exact_match,strict-match"}
@@ -329,7 +375,8 @@ def test_eval_and_gate_decide_alike_on_the_same_outputs(tmp_path: Path) -> None:
             items[task] = {metric: stats.item_values([json.loads(line) for line in lines], metric)}
         return EngineRun(json.loads(_results(run).read_text()), items)
 
-    from_eval = decide_gates(specs, metrics, engine_run(b), engine_run(q), looks.level(1))
+    words = {"ppl_task": dict(enumerate(w.tolist()))}  # qserve eval counts them from the task's texts
+    from_eval = decide_gates(specs, metrics, engine_run(b), engine_run(q), looks.level(1), words=words)
     assert [asdict(g) for g in from_eval] == from_gate
     assert [g["status"] for g in from_gate] == ["pass", "pass", "pass"]
 

@@ -15,8 +15,9 @@ bets on, so no allowance rests on a measured baseline:
 Anything else (bits_per_byte, unbounded per-item scores) has no declared range yet and is refused.
 `qserve eval` and `qserve gate` decide every gate `bettable` says yes to through `decide_gate`: scores
 in [0, 1], and word perplexity where the task's order is size-biased by words (`qserve eval`'s
---limit takes it so: gate/order.py). The rest (byte perplexity, word perplexity of runs made
-elsewhere, bits_per_byte) keep stats.py's bounds.
+--limit takes it so: gate/order.py; `qserve gate` on runs that scored every document). The rest (byte
+perplexity, word perplexity of runs made elsewhere on part of a task, bits_per_byte) keep stats.py's
+bounds.
 
 A spec with several criteria passes only when every one passes (an intersection-union test: each at
 alpha, so the pass keeps alpha), fails when any fails, and is inconclusive otherwise.

@@ -22,7 +22,7 @@ from typing import Any
 
 from qserve.checkpoint.opened import Checkpoint
 from qserve.errors import QserveError
-from qserve.gate import looks, outside, stats
+from qserve.gate import evidence, looks, outside, stats
 from qserve.gate.core import Group, decide_gates, higher_is_better
 from qserve.gate.decisions import Gate, verdict
 from qserve.spec.gates import GateSpec, default_gate
@@ -62,7 +62,8 @@ def gate_runs(
     specs = {task: gates.get(task) or default_gate() for task in names}
     headlines = {task: base.headline(task) for task in names if task not in groups}
     sizes = _sizes(base, quant, leaves)
-    decided = decide_gates(specs, headlines, base, quant, looks.level(look), groups, sizes)
+    words = _words(specs, headlines, base, quant, sizes)
+    decided = decide_gates(specs, headlines, base, quant, looks.level(look), groups, sizes, words)
     decided_at, final = datetime.now(UTC).isoformat(timespec="seconds"), verdict(decided)
     entry = scored | {"decided_at": decided_at, "verdict": final, "level": looks.level(look)}
     summary = {
@@ -101,6 +102,32 @@ def _sizes(base: _LmEvalRun, quant: _LmEvalRun, leaves: dict[str, list[str]]) ->
         if all(isinstance(n, int) for n in stated[0]):
             sizes[task] = sum(stated[0])
     return sizes
+
+
+def _words(
+    specs: dict[str, list[GateSpec]], headlines: dict[str, str], base: _LmEvalRun, quant: _LmEvalRun, sizes: dict[str, int]
+) -> dict[str, dict[int, float]]:
+    """Per task gated on word perplexity whose every document both runs scored: each document's words, as
+    lm-eval's [loglikelihood, words] pairs count them from the text. The gate then bets on the documents
+    in qserve's order size-biased by them (gate/order.py), fixed by the ids and the texts, never by a
+    score, so it is the order `qserve eval` would have taken, and the last document decides exactly.
+    Runs that scored fewer (lm-eval's --limit takes the first in file order) keep stats.py's bound."""
+    out: dict[str, dict[int, float]] = {}
+    for task in headlines:
+        metrics = {spec.metric or headlines[task] for spec in specs.get(task, [])}
+        for metric in (m for m in metrics if evidence.by_words(m)):
+            items = base.score(task, metric)[2]
+            pairs = list(items.values())
+            every = bool(pairs) and sizes.get(task, len(pairs)) == len(pairs)
+            if not every or not all(isinstance(v, list) and len(v) == 2 for v in pairs):
+                continue
+            other = quant.score(task, metric)[2]
+            if set(other) != set(items):
+                continue  # decide_gates refuses runs on different items, naming the counts
+            if differ := [k for k, v in items.items() if not isinstance(other.get(k), list) or other[k][1] != v[1]][:1]:
+                raise QserveError(f"{task}: the runs count different words for document {differ[0]}: they scored other texts")
+            out[task] = {int(k): float(v[1]) for k, v in items.items()}
+    return out
 
 
 def _earlier(looks_from: Path | None, checkpoint: Checkpoint | None) -> list[dict[str, Any]]:

@@ -306,7 +306,7 @@ def _intro(draws: int, level: float, provenance: str) -> list[str]:
         f"(false pass) / how often it passes a good model (power), over {draws} simulated samples of n items. "
         f"0/1 items, and word perplexity as `qserve eval` scores it, are decided by betting, at 5 % over every "
         f"look (at most {limit(draws, ALPHA):.2%} allowed: 5 % + 3 Monte-Carlo SE); the other tables (byte "
-        f"perplexity, bits per byte, word perplexity of lm-eval runs made elsewhere, other per-item means) use the "
+        f"perplexity, bits per byte, word perplexity of lm-eval runs made elsewhere on part of a task, other per-item means) use the "
         f"bounds of a first look at a checkpoint's weights (one-sided {1 - level:.2%}, at most {level:.2%} + 3 SE = "
         f"{limit(draws, level):.2%} allowed; later looks spend less, so that all of them together stay within 5 %).",
         "",
@@ -372,7 +372,7 @@ def _means_section(rows: list[dict[str, Any]], later: list[dict[str, Any]]) -> l
     out = [
         "## Perplexity, bits per byte and other per-item means (stats.py's bounds)",
         "",
-        "Byte perplexity, bits per byte, word perplexity of lm-eval runs made elsewhere (`qserve gate`) and per-item "
+        "Byte perplexity, bits per byte, word perplexity of lm-eval runs made elsewhere on part of a task (`qserve gate`) and per-item "
         "means that are not 0/1.",
         "",
         "Power here: a model at half the allowance. Perplexity allowance +5 %. A pass needs the upper bound "
