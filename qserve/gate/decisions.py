@@ -166,6 +166,10 @@ def _allowed(task: str, spec: GateSpec, cmp: Comparison) -> float | None:
     return allowed
 
 
+# What a betting gate's bounds are: not its test, which is the bet (no interval of the bet is computed).
+FOR_SCALE = "one look's fixed-n bounds, for scale: the gate decided by betting"
+
+
 def decide_by_betting(
     task: str, spec: GateSpec, cmp: Comparison, found: GateDecision, items: Ordered, headline: bool = False
 ) -> Gate:
@@ -206,8 +210,12 @@ def decide_by_betting(
         signal=shown.allowed_degradation is not None,
         test=f"betting without replacement (Waudby-Smith and Ramdas 2020) on {where}, in {order}, {level}",
         items_needed=needed,
-        # The t bound's sample-size rule is not the bet's: only the bounds themselves are shown.
-        bounds={k: v for k, v in shown.bounds.items() if k not in ("skewness", "items_for_a_pass")} if shown.bounds else None,
+        # The t bound's sample-size rule is not the bet's: only the bounds themselves are shown, labelled.
+        bounds=(
+            {k: v for k, v in shown.bounds.items() if k not in ("skewness", "items_for_a_pass")} | {"shown": FOR_SCALE}
+            if shown.bounds
+            else None
+        ),
         evidence={"criteria": criteria, "population": items.size, "whole": items.whole, "threshold": 1 / found.alpha},
     )
 

@@ -144,8 +144,10 @@ def _setup_section(record: EvalRecord) -> list[str]:
         f"- Timings (s): {', '.join(f'{k} {v}' for k, v in (record.timings or {}).items())}",
         "",
         "Scores with ± are lm-eval's standard errors (for perplexities, qserve's by linearization over documents). "
-        "Degradation is how much worse the quantized model is, ± the paired standard error over the same items; "
-        "a pass must clear the allowance at the one-sided 95% noise bound.",
+        "Degradation is how much worse the quantized model is, ± the paired standard error over the same items. "
+        "A gate decided by betting (its test says so) passes when its wealth against a degradation at or above the "
+        "allowance reaches 1/alpha; its record's bounds are one look's fixed-n bounds, shown for scale, not the test. "
+        "Any other gate passes when its one-sided bound at the look's level clears the allowance.",
         "",
     ]
 
