@@ -50,6 +50,16 @@ DatasetsOpt = Annotated[
     ),
 ]
 
+UntilDecidedOpt = Annotated[
+    bool,
+    typer.Option(
+        "--until-decided",
+        help="Evaluate the first 100 items of each task's seeded order, then 200, 400, ... (--limit is the ceiling) "
+        "until every gate passes or one fails: one engine start per model per round, each round scoring its items "
+        "again. Betting gates keep their level at any stopping point.",
+    ),
+]
+
 # lm-eval's evaluation options (its CLI's names with dashes), for `eval` and `run`; both models get them.
 NumFewshotOpt = Annotated[
     int | None,
@@ -129,6 +139,7 @@ def eval_(
     checkpoint: Annotated[Path | None, typer.Argument(help="Checkpoint dir. Default: the last `qserve quantize` output.")] = None,
     tasks: TasksOpt = None,
     limit: LimitOpt = None,
+    until_decided: UntilDecidedOpt = False,
     gate: GateOpt = None,
     data_dir: DataDirOpt = None,
     include_path: IncludePathOpt = None,
@@ -177,6 +188,7 @@ def eval_(
     \b
     Examples:
       qserve eval out-w8a8-int8 --tasks gsm8k_ppl --limit 150
+      qserve eval out-w8a8-int8 --tasks gsm8k_ppl --until-decided
       qserve eval out-w8a8-int8 --tasks gsm8k,arc_challenge --datasets ~/hf-datasets
       qserve eval out-w8a8-int8 --tasks my_task --include-path my_tasks/
       qserve eval out-w8a8-int8 --tasks gsm8k_cot_llama --apply-chat-template --fewshot-as-multiturn --limit 100
@@ -187,7 +199,7 @@ def eval_(
     from qserve.evaluate.evaluation import EvalOptions
     from qserve.gate.reports import format_table
     from qserve.spec.gates import parse_cli_gates
-    from qserve.workflows.run import evaluate_logged
+    from qserve.workflows.run import evaluate_logged, evaluate_until_decided
 
     asked = lm_eval_args(num_fewshot, apply_chat_template, fewshot_as_multiturn, system_instruction, gen_kwargs, seed)
     options = EvalOptions(
@@ -204,6 +216,6 @@ def eval_(
         verify_key=verify_key,
         parallel=parallel_args(tensor_parallel_size, pipeline_parallel_size, data_parallel_size, distributed_executor_backend),
     )
-    record = evaluate_logged(checkpoint, options, verbose)
+    record = (evaluate_until_decided if until_decided else evaluate_logged)(checkpoint, options, verbose)
     typer.echo(json.dumps(record.model_dump(exclude_unset=True), indent=2) if as_json else format_table(record))
     raise typer.Exit(verdict_exit(record.verdict))

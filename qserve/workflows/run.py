@@ -4,6 +4,7 @@ a step whose valid output exists is not redone."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,6 +51,60 @@ def evaluate_logged(checkpoint: Path | Checkpoint | None, options: EvalOptions, 
     where = ckpt.path if isinstance(ckpt, Checkpoint) else ckpt
     with library_output(paths.log_file(where, "eval"), verbose), bounded_in_process_stop():
         return evaluate(ckpt, options)
+
+
+# --until-decided's first round: a pass by betting needs more than 70 documents at perplexity's default
+# cap and a few hundred items on 0/1 tasks, so fewer would rarely decide.
+FIRST_ROUND = 100
+
+
+def rounds(first: int, ceiling: int | None) -> Iterator[int]:
+    """--until-decided's --limit per round: `first`, doubling, the last at the ceiling when one is given."""
+    n = first if ceiling is None else min(first, ceiling)
+    while True:
+        yield n
+        if ceiling is not None and n >= ceiling:
+            return
+        n = 2 * n if ceiling is None else min(2 * n, ceiling)
+
+
+def evaluate_until_decided(
+    checkpoint: Path | Checkpoint | None, options: EvalOptions, verbose: bool = False, first: int = FIRST_ROUND
+) -> EvalRecord:
+    """`qserve eval --until-decided`: rounds of `qserve eval --limit N` on growing prefixes of each task's
+    seeded order (`rounds`; options.limit, if set, is the ceiling), stopping at the first round whose
+    verdict is PASS or FAIL, or once every task is scored whole. A betting gate watched at every prefix of
+    one order is one wealth process, so stopping at its first decision keeps its level (Ville's
+    inequality); a round whose gates are not all such stops the loop, as a further look would spend
+    level. Each round is one engine start per model and scores its prefix again (at most twice the
+    deciding round's items per model)."""
+    if options.offset:
+        raise QserveError("--until-decided takes each task's seeded order from its first document; it cannot start at --offset")
+    from qserve.gate.records import resolve_checkpoint
+
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else resolve_checkpoint(checkpoint)
+    for n in rounds(first, options.limit):
+        info(f"until decided: --limit {n}")
+        record = evaluate_logged(ckpt, replace(options, limit=n), verbose)
+        if record.verdict in ("pass", "fail") or _scored_whole(record, n):
+            return record
+        if why := _not_free(record):
+            info(f"until decided: stopping at --limit {n}: {why}")
+            return record
+    return record
+
+
+def _scored_whole(record: EvalRecord, n: int) -> bool:
+    """Every gated task had at most `n` documents: a larger --limit scores nothing new."""
+    return all(g.evidence is not None and g.evidence["population"] <= n for g in record.gates)
+
+
+def _not_free(record: EvalRecord) -> str | None:
+    """Why another round would not be free: a gate decided otherwise than by betting at 5 % over every look."""
+    for g in record.gates:
+        if not (g.test or "").endswith("at 5 % over every look"):
+            return f"{g.task} {g.metric} is decided by {g.test or 'no test'}, whose level a further look would spend"
+    return None
 
 
 def checkpoint_for(
