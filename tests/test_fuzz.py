@@ -70,17 +70,7 @@ RECIPE_KEYS = [
     "execution",
     "modifiers",
 ]
-LINKED_KEYS = [
-    "backend",
-    "scheme",
-    "algorithm",
-    "algorithm_options",
-    "group_size",
-    "smoothquant",
-    "sparsity",
-    "kv_cache",
-    "calibration",
-]
+LINKED_KEYS = RECIPE_KEYS[1:8] + ["kv_cache", "calibration"]  # the fields checked against each other
 YAML_PUNCTUATION = "{}[]:,-?'\"\t\n #&*!|>%@`ab1"
 CALIBRATION_KEYS = [
     "source",

@@ -148,10 +148,16 @@ def binary_passes(gained: float, loss: float, sizes: tuple[int, ...], draws: int
     gained at rate `gained`, lost at rate gained + loss, drawn independently (a task much larger than
     n); per n in `sizes`, which runs passed within their first n items. One run serves every n, as a
     --limit n is the first n items of the same order."""
-    import numpy as np
 
     d = rng.choice([1.0, -1.0, 0.0], p=[gained + loss, gained, 1 - 2 * gained - loss], size=(max(sizes), draws))
     wealth = betting.wealth_paths(d, *betting.Spec("mean", allowance, bounds=(-1.0, 1.0)).bet_range())
+    return _passed_by(wealth, sizes)
+
+
+def _passed_by(wealth: dict[str, Any], sizes: tuple[int, ...]) -> dict[int, Any]:
+    """Per n in `sizes`, which runs' pass bettor reached 1/alpha within n items, before any fail."""
+    import numpy as np
+
     first = {}
     for side in ("pass", "fail"):
         hit = wealth[f"log_wealth_{side}"][1:] >= math.log(1 / ALPHA)
@@ -198,16 +204,11 @@ def word_population(shape: Shape, mean: float, rng) -> tuple[Any, Any]:
 def word_perplexity_passes(shape: Shape, mean: float, sizes: tuple[int, ...], draws: int, rng) -> dict[int, Any]:
     """Word perplexity as `qserve eval` decides it (betting.py, the perplexity bet at the default cap, 5 %
     over every look): per n in `sizes`, which runs passed within their first n documents."""
-    import numpy as np
 
     r, words = word_population(shape, mean, rng)
     d = r[rng.choice(len(r), size=(max(sizes), draws), p=words / words.sum())]
     wealth = betting.wealth_paths(d, *betting.Spec("perplexity", math.expm1(ALLOWANCE)).bet_range())
-    first = {}
-    for side in ("pass", "fail"):
-        hit = wealth[f"log_wealth_{side}"][1:] >= math.log(1 / ALPHA)
-        first[side] = np.where(hit.any(0), hit.argmax(0) + 1, math.inf)
-    return {n: (first["pass"] <= n) & (first["pass"] < first["fail"]) for n in sizes}
+    return _passed_by(wealth, sizes)
 
 
 def simulate_word_perplexity(draws: int = 2000, sizes: tuple[int, ...] = BINARY_SIZES, seed: int = 0) -> list[dict[str, Any]]:
