@@ -72,7 +72,8 @@ def pareto_markdown(result: dict[str, Any]) -> str:
         f"Candidates: the first k of {result['groups']} layer groups (least KL per parameter) in {low}, the rest in {high}; "
         f"gate {result['gate']}, {result['limit']} items per task.\n\n"
         f"| candidate | groups in {low} | quantized-layer bytes vs bf16 | checkpoint vs bf16 | recovery | "
-        "95 % bounds (degradation) | allowed | verdict | decode tok/s |\n|---|---:|---:|---:|---:|---|---:|---|---:|\n"
+        "one look's fixed-n bounds (degradation; for scale, the verdict is the gate's test) | allowed | verdict | "
+        "decode tok/s |\n|---|---:|---:|---:|---:|---|---:|---|---:|\n"
     )
     rows = []
     for c in result["candidates"]:
