@@ -166,6 +166,8 @@ def _allowed(task: str, spec: GateSpec, cmp: Comparison) -> float | None:
     return allowed
 
 
+# How a betting gate's test ends when every look takes a prefix of one order (Ville's inequality: looks are free).
+EVERY_LOOK = "at 5 % over every look"
 # What a betting gate's bounds are: not its test, which is the bet (no interval of the bet is computed).
 FOR_SCALE = "one look's fixed-n bounds, for scale: the gate decided by betting"
 
@@ -183,7 +185,7 @@ def decide_by_betting(
     if items.population.weighted:
         cap = next(iter(found.criteria.values())).evidence.spec["cap"]
         order = f"the seeded order size-biased by words, on each document's loss change per word (within ±{cap:.3g} nats)"
-    level = "at 5 % over every look" if items.free else f"at {found.alpha:.2%}, this look's share of 5 %"
+    level = EVERY_LOOK if items.free else f"at {found.alpha:.2%}, this look's share of 5 %"
     status, needed = Status(found.status), None
     reason = (
         ""

@@ -2,8 +2,8 @@
 half of it (its power), by sample size and by the shape of the per-item losses, simulated.
 
 The bounds are qserve's own (stats.py; betting.py for 0/1 items and word perplexity), called on
-simulated items exactly as `qserve eval` calls them on lm-eval's. tests/test_gate_levels.py asserts the levels; `qserve gate-levels` prints the
-table a user reads to choose --limit. Seeded: the same call gives the same table.
+simulated items exactly as `qserve eval` calls them on lm-eval's. tests/test_gate_levels.py asserts
+the levels; `qserve gate-levels` prints the table a user reads to choose --limit. Seeded: the same call gives the same table.
 """
 
 from __future__ import annotations
@@ -354,18 +354,8 @@ def _word_perplexity_section(rows: list[dict[str, Any]]) -> list[str]:
         f"are examples, not the class. Allowance +5 %; power: a model at half of it; n documents of a task much "
         f"larger than n ({CORPUS_DOCUMENTS:,} documents of 20-200 words, drawn in proportion to their words).",
         "",
-        "| shape | " + " | ".join(f"n={n}" for n in sorted({r["n"] for r in rows})) + " |",
-        "|---" * (len({r["n"] for r in rows}) + 1) + "|",
     ]
-    shapes = {s.name: s.describe for s in SHAPES + OUTSIDE}
-    for name in dict.fromkeys(r["shape"] for r in rows):
-        cells = {r["n"]: r for r in rows if r["shape"] == name}
-        out.append(
-            f"| {shapes[name]} | "
-            + " | ".join(f"{c['false_pass']:.1%} / {c['power']:.0%}" for _, c in sorted(cells.items()))
-            + " |"
-        )
-    return [*out, ""]
+    return out + _shape_tables(rows, (("betting", None),))
 
 
 def _means_section(rows: list[dict[str, Any]], later: list[dict[str, Any]]) -> list[str]:
@@ -436,12 +426,14 @@ def _look(alpha: float) -> int:
     return next(k for k in range(1, 1000) if math.isclose(looks.level(k), alpha))
 
 
-def _shape_tables(rows: list[dict[str, Any]], bounds: tuple[tuple[str, str], ...]) -> list[str]:
+def _shape_tables(rows: list[dict[str, Any]], bounds: tuple[tuple[str, str | None], ...]) -> list[str]:
+    """One table per bound, a row per shape; a title None: no heading."""
     sizes = sorted({r["n"] for r in rows})
     shapes = {s.name: s.describe for s in SHAPES + OUTSIDE}
     out = []
     for bound, title in bounds:
-        out += [f"### {title}", "", "| shape | " + " | ".join(f"n={n}" for n in sizes) + " |", "|---" * (len(sizes) + 1) + "|"]
+        out += [f"### {title}", ""] if title else []
+        out += ["| shape | " + " | ".join(f"n={n}" for n in sizes) + " |", "|---" * (len(sizes) + 1) + "|"]
         for name in dict.fromkeys(r["shape"] for r in rows if r["bound"] == bound):
             cells = {r["n"]: r for r in rows if r["bound"] == bound and r["shape"] == name}
             row = " | ".join(f"{cells[n]['false_pass']:.1%} / {cells[n]['power']:.0%}" for n in sizes)

@@ -101,8 +101,10 @@ def _scored_whole(record: EvalRecord, n: int) -> bool:
 
 def _not_free(record: EvalRecord) -> str | None:
     """Why another round would not be free: a gate decided otherwise than by betting at 5 % over every look."""
+    from qserve.gate.decisions import EVERY_LOOK
+
     for g in record.gates:
-        if not (g.test or "").endswith("at 5 % over every look"):
+        if not (g.test or "").endswith(EVERY_LOOK):
             return f"{g.task} {g.metric} is decided by {g.test or 'no test'}, whose level a further look would spend"
     return None
 
