@@ -112,6 +112,51 @@ def test_per_item_values_of_a_generation_and_a_multiple_choice_task(tmp_path: Pa
     assert mc == {"0": 1.0, "1": 0.0, "2": 1.0}  # every target is "yes"; only the sky questions get it
 
 
+def test_two_blocks_joined_are_lm_evals_run_of_all_items(tmp_path: Path) -> None:
+    """--until-decided's later rounds score only their new items and join them (lm_eval_run.join): on a
+    generation task through its filter and a multiple-choice one (acc and acc_norm), documents 0 and 1-2
+    scored apart and joined give the scores and stderrs lm-eval states when it scores all three at once."""
+    import lm_eval
+    from lm_eval.api.model import LM
+
+    from qserve.evaluate.lm_eval_run import EngineRun, _items, join, unjoinable
+    from qserve.evaluate.tasks import config_task_manager
+
+    class Scripted(LM):
+        """Answers 2, then 3, then 2 ...; prefers "yes" when the question is about the sky."""
+
+        def generate_until(self, requests, disable_tqdm: bool = False):
+            return [f"It is {2 if 'plus zero' in r.args[0] or 'One plus one' in r.args[0] else 5}." for r in requests]
+
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            return [(-1.0 if (c.strip() == "yes") == ("sky" in q) else -1.5, False) for q, c in (r.args for r in requests)]
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+            raise NotImplementedError
+
+    tasks = get_tasks(["tiny_gen", "tiny_mc"], include_path=_task_folder(tmp_path))
+    configs = [lm_eval_config(t, DATA_DIR) for t in tasks]
+
+    def run(ids: list[int] | None) -> EngineRun:
+        picked = {} if ids is None else {"samples": {t.name: ids for t in tasks}}
+        out = lm_eval.simple_evaluate(
+            model=Scripted(), tasks=configs, task_manager=config_task_manager(), log_samples=True, **picked
+        )
+        raw = {k: out[k] for k in ("results", "n-samples")}
+        return EngineRun(raw, {t.name: _items(out["samples"][t.name], out["results"][t.name]) for t in tasks})
+
+    whole, first, rest = run(None), run([0]), run([1, 2])
+    assert unjoinable(whole) is None and unjoinable(first) is None and unjoinable(rest) is None
+    joined = join(first, rest)
+    for task in ("tiny_gen", "tiny_mc"):
+        stated = whole.raw["results"][task]
+        names = {"acc,none", "acc_norm,none"} if task == "tiny_mc" else {"exact_match,first-number"}
+        assert names <= set(stated) and set(joined.raw["results"][task]) == set(stated)
+        for key, value in stated.items():
+            assert joined.raw["results"][task][key] == (pytest.approx(value, rel=1e-12) if isinstance(value, float) else value)
+        assert joined.raw["n-samples"][task]["effective"] == 3
+
+
 def test_an_unknown_task_is_one_line_with_the_closest_names(tmp_path: Path) -> None:
     proc = run_qserve_in_process("eval", _checkpoint(tmp_path), "--tasks", "arc_chalenge")
     assert proc.returncode == 1

@@ -4,16 +4,21 @@ order, stopping at the first decision (qserve/workflows/run.py, evaluate_until_d
 from __future__ import annotations
 
 import math
+import re
+import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from conftest import copy_checkpoint, run_qserve_in_process
 
 from qserve.errors import QserveError
-from qserve.evaluate.evaluation import EvalOptions
+from qserve.evaluate.evaluation import EvalOptions, evaluate_round
+from qserve.evaluate.lm_eval_run import EngineRun, join, unjoinable
 from qserve.gate import betting
+from qserve.gate.order import FIRST_ROUND, rounds
 from qserve.spec.gates import GateSpec
-from qserve.workflows.run import FIRST_ROUND, evaluate_until_decided, rounds
+from qserve.workflows.run import evaluate_until_decided
 
 
 def test_rounds_double_up_to_the_ceiling() -> None:
@@ -25,6 +30,55 @@ def test_rounds_double_up_to_the_ceiling() -> None:
 def test_an_offset_is_refused_before_any_work(tmp_path: Path) -> None:
     with pytest.raises(QserveError, match=r"^--until-decided takes each task's seeded order from its first document"):
         evaluate_until_decided(tmp_path / "missing", EvalOptions(offset=10))
+
+
+def _run(acc: dict[str, float], words: dict[str, list[float]], acc_score: float | None = None) -> EngineRun:
+    """An lm-eval run in its own shape: acc per item (a mean, with lm-eval's stderr) and word perplexity
+    per document ([loglikelihood, words], no stderr), scores stated as lm-eval states them."""
+    lls, counts = (sum(v[i] for v in words.values()) for i in (0, 1))
+    result = {
+        "alias": "t",
+        "acc,none": statistics.mean(acc.values()) if acc_score is None else acc_score,
+        "acc_stderr,none": statistics.stdev(acc.values()) / math.sqrt(len(acc)),
+        "word_perplexity,none": math.exp(-lls / counts),
+        "word_perplexity_stderr,none": "N/A",
+    }
+    raw = {
+        "results": {"t": result},
+        "n-samples": {"t": {"original": 10, "effective": len(acc)}},
+        "task_hashes": {"t": f"hash of {sorted(acc)}"},
+        "config": {"random_seed": 0},
+    }
+    return EngineRun(raw, {"t": {"acc,none": acc, "word_perplexity,none": words}}, seconds=2.0)
+
+
+def test_a_join_rebuilds_each_score_from_the_joined_items() -> None:
+    first = _run({"0": 1.0, "1": 0.0, "2": 1.0}, {"0": [-10.0, 4.0], "1": [-3.0, 2.0], "2": [-7.0, 5.0]})
+    later = _run({"3": 1.0, "4": 1.0}, {"3": [-20.0, 6.0], "4": [-1.0, 1.0]})
+    joined = join(first, later)
+    result = joined.raw["results"]["t"]
+    assert result["acc,none"] == pytest.approx(4 / 5, rel=1e-12)
+    assert result["acc_stderr,none"] == pytest.approx(math.sqrt(0.2 * 0.8 * 5 / 4 / 5), rel=1e-12)
+    assert result["word_perplexity,none"] == pytest.approx(math.exp(41 / 18), rel=1e-12)
+    assert result["word_perplexity_stderr,none"] == "N/A"
+    assert joined.raw["n-samples"]["t"] == {"original": 10, "effective": 5} and joined.seconds == 4.0
+    assert sorted(joined.items["t"]["acc,none"]) == ["0", "1", "2", "3", "4"]
+    assert joined.raw["task_hashes"]["t"] not in (first.raw["task_hashes"]["t"], later.raw["task_hashes"]["t"])
+
+
+def test_a_score_that_is_not_the_mean_of_its_items_is_not_joined() -> None:
+    """lambada's perplexity (exp of minus the mean log-likelihood), a corpus BLEU: no per-item mean gives
+    the score, so each round scores its whole prefix."""
+    stated = _run({"0": 1.0, "1": 0.0}, {"0": [-1.0, 1.0]}, acc_score=0.7)
+    assert unjoinable(stated) == "t's acc,none is not the mean (or ratio of sums) of the per-item values lm-eval logged"
+    with pytest.raises(ValueError, match=r"^the runs cannot be joined: t's acc,none is not the mean"):
+        join(stated, _run({"2": 1.0, "3": 1.0}, {"2": [-1.0, 1.0]}))
+    assert unjoinable(_run({"0": 1.0, "1": 0.0}, {"0": [-1.0, 1.0]})) is None
+
+
+def test_a_document_scored_in_both_runs_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"^t: documents 1 were scored in both runs$"):
+        join(_run({"0": 1.0, "1": 0.0}, {"0": [-1.0, 1.0]}), _run({"1": 0.0, "2": 1.0}, {"2": [-1.0, 1.0]}))
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +94,7 @@ ALLOWANCE = 0.5
 
 
 @pytest.mark.matrix  # three rounds, six engine starts: make test-matrix, which CI runs after make test
-def test_rounds_stop_at_the_first_decision(fp8_checkpoint: Path) -> None:
+def test_rounds_stop_at_the_first_decision(fp8_checkpoint: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """Rounds of 2, 4 and 8 documents of gsm8k_ppl. Two documents cannot reach log 20 nats of evidence
     (2 x 1.07 < 3.0) nor fail (the fail bet gains at most 0.12 nats a document), so the first round is
     INCONCLUSIVE by construction; an FP8 model, whose per-word loss barely moves, gains about 0.53 nats a
@@ -60,6 +114,15 @@ def test_rounds_stop_at_the_first_decision(fp8_checkpoint: Path) -> None:
     assert gate.test.endswith(
         "size-biased by words, on each document's loss change per word (within ±0.693 nats), at 5 % over every look"
     )
+    # Each later round scored its new documents alone, one engine per model, and joined the earlier ones.
+    said = capfd.readouterr().err
+    for line in (
+        "--limit 4 (items 2-3 scored now, the first 2 carried)",
+        "--limit 8 (items 4-7 scored now, the first 4 carried)",
+    ):
+        assert f"until decided: {line}" in said
+    scored = re.findall(r"> lm-eval on the quantized checkpoint: gsm8k_ppl \((.*?)\) \.\.\.", said)
+    assert scored == ["limit 2, a seeded sample", "items 2-3 of the seeded order", "items 4-7 of the seeded order"]
 
 
 def test_the_cli_names_its_rounds(fp8_checkpoint: Path, tmp_path: Path) -> None:
@@ -80,3 +143,27 @@ def test_the_cli_names_its_rounds(fp8_checkpoint: Path, tmp_path: Path) -> None:
     assert proc.returncode == 4, proc.stderr[-2000:]
     assert "until decided: --limit 2" in proc.stderr + proc.stdout
     assert proc.stdout.strip().splitlines()[-1].startswith("verdict: INCONCLUSIVE on 2 items per task")
+
+
+@pytest.mark.matrix  # three evals, six engine starts
+def test_a_joined_round_is_the_run_of_its_whole_prefix(fp8_checkpoint: Path, tmp_path: Path) -> None:
+    """Round two scores documents 2-3 alone and joins them to round one's 0-1: the same documents, words
+    and log-likelihoods per document, and the same corpus word perplexity and verdict, as one run of
+    --limit 4 whose baseline is scored afresh."""
+    options = EvalOptions(tasks=["gsm8k_ppl"], gates={"gsm8k_ppl": [GateSpec(max_increase=ALLOWANCE)]}, check_parity=False)
+    ckpt = copy_checkpoint(fp8_checkpoint, tmp_path / "rounds")
+    _, first = evaluate_round(ckpt, replace(options, limit=2))
+    record, joined = evaluate_round(ckpt, replace(options, limit=4), first)
+    _, whole = evaluate_round(
+        copy_checkpoint(fp8_checkpoint, tmp_path / "whole"), replace(options, limit=4, refresh_baseline=True)
+    )
+    key = "word_perplexity,none"
+    for side in ("quant", "base"):
+        got, want = (getattr(run, side).items["gsm8k_ppl"][key] for run in (joined, whole))
+        assert sorted(got) == sorted(want) and len(got) == 4
+        # Equal to the last bit on the AVX2 EPYC: vLLM scores each document as a sequence of its own.
+        assert got == want
+        words = sum(v[1] for v in want.values())
+        ppl = math.exp(-sum(v[0] for v in want.values()) / words)
+        assert math.isclose(getattr(joined, side).raw["results"]["gsm8k_ppl"][key], ppl, rel_tol=1e-12)
+    assert record.limit == 4 and record.doc_ids == {"gsm8k_ppl": sorted(int(d) for d in whole.quant.items["gsm8k_ppl"][key])}

@@ -27,6 +27,7 @@ from qserve.cli._common import (
     user_errors,
     verdict_exit,
 )
+from qserve.gate.order import FIRST_ROUND
 
 if TYPE_CHECKING:
     from qserve.spec.lm_eval_args import LmEvalArgs
@@ -54,9 +55,10 @@ UntilDecidedOpt = Annotated[
     bool,
     typer.Option(
         "--until-decided",
-        help="Evaluate the first 100 items of each task's seeded order, then 200, 400, ... (--limit is the ceiling) "
-        "until every gate passes or one fails: one engine start per model per round, each round scoring its items "
-        "again. Betting gates keep their level at any stopping point.",
+        help=f"Evaluate the first {FIRST_ROUND} items of each task's seeded order, then {2 * FIRST_ROUND}, "
+        f"{4 * FIRST_ROUND}, ... (--limit is the ceiling) until every gate passes or one fails: one engine start per "
+        "model per round, each round scoring only the items after the last round's. Betting gates keep their level "
+        "at any stopping point.",
     ),
 ]
 

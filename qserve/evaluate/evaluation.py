@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ from qserve.engines import flags, kv_scales, throughput
 from qserve.engines import vllm as engine
 from qserve.errors import QserveError
 from qserve.evaluate import baselines, fallback, parity
-from qserve.evaluate.lm_eval_run import EngineRun, Subject, Window, prompting, run_fields, run_lm_eval
+from qserve.evaluate.lm_eval_run import EngineRun, Subject, Window, join, prompting, run_fields, run_lm_eval, unjoinable
 from qserve.evaluate.tasks import Resolved, Task, dataset_copies, datasets_dir, lm_eval_config, resolve_tasks
 from qserve.gate import looks, reports
 from qserve.gate.core import Group, decide_gates
@@ -100,6 +100,19 @@ class _Baseline:
     cached: dict[str, dict]
 
 
+@dataclass(frozen=True)
+class Scored:
+    """What an eval of the first `upto` items of each task's seeded order scored, for a later round to
+    continue from (`evaluate_round`): both models' runs, joinable (lm_eval_run.join)."""
+
+    quant: EngineRun
+    base: EngineRun
+    upto: int
+
+    def unjoinable(self) -> str | None:
+        return unjoinable(self.quant) or unjoinable(self.base)
+
+
 def evaluate(checkpoint: str | Path | Checkpoint | None = None, options: EvalOptions | None = None) -> EvalRecord:
     """Evaluate a checkpoint against its (cached) baseline, apply the gates, write the reports; returns
     the record written (qserve_eval.json).
@@ -107,13 +120,28 @@ def evaluate(checkpoint: str | Path | Checkpoint | None = None, options: EvalOpt
     Where vLLM cannot run the scheme on this device, both sides go through transformers and
     the record says `emulated: true`.
     """
+    return evaluate_round(checkpoint, options)[0]
+
+
+def evaluate_round(
+    checkpoint: str | Path | Checkpoint | None = None, options: EvalOptions | None = None, earlier: Scored | None = None
+) -> tuple[EvalRecord, Scored]:
+    """`evaluate`, and what it scored. With `earlier` (a `Scored` of this checkpoint and these options'
+    first `earlier.upto` items), only the items after them up to options.limit are scored, each model on
+    one engine, and joined with them: the record is that of `--limit` options.limit."""
     options = options or EvalOptions()
     plan = _plan(checkpoint, options)
     window = Window.select(options.limit, options.offset, list(plan.configs.values()))
+    scoring, block = plan, window
+    if earlier is not None:
+        scoring, block = _after(plan, window, earlier.upto)
     started = time.monotonic()
-    base_side = _baseline_side(plan, window, options.refresh_baseline)
-    quant, parity_result, extra = _quantized_run(plan, window, options)
-    base = _baseline_run(plan, base_side, window)
+    base_side = _baseline_side(scoring, block, options.refresh_baseline)
+    quant, parity_result, extra = _quantized_run(scoring, block, options)
+    base = _baseline_run(scoring, base_side, block)
+    if earlier is not None:
+        same_prompting(quant.raw, base.raw)  # this block's prompts, before they join the earlier ones
+        quant, base = join(earlier.quant, quant), join(earlier.base, base)
     prompted = same_prompting(quant.raw, base.raw)
     for task in plan.tasks:
         baselines.check_sane(plan.manifest.source_model["id"], task.name, task.metric, base.score(task.name, task.metric)[0])
@@ -145,7 +173,20 @@ def evaluate(checkpoint: str | Path | Checkpoint | None = None, options: EvalOpt
         look["history"] = looks.chained(look["earlier"], *([entry] if look["counted"] else []))
     record = EvalRecord.model_validate(summary)  # a record that fails its schema is a qserve bug
     reports.write_all(plan.ckpt, plan.manifest, record, {"quantized": quant.raw, "baseline": base.raw})
-    return record
+    return record, Scored(quant, base, options.limit or 0)
+
+
+def _after(plan: _Plan, window: Window, upto: int) -> tuple[_Plan, Window]:
+    """The plan and window that score each task's items from `upto` to the window's limit, leaving out
+    the tasks with none left."""
+    if window.limit is None or window.offset or not 0 < upto < window.limit:
+        raise ValueError(f"a later round scores items {upto} on of a --limit above them from the first, not {window.key()}")
+    ids = window.ids or {}
+    todo = {name: config for name, config in plan.configs.items() if len(ids[name]) > upto}
+    if not todo:
+        raise ValueError(f"every task has at most {upto} items: a later round would score nothing")
+    scoring = replace(plan, configs=todo)
+    return scoring, Window.select(window.limit - upto, upto, list(todo.values()))
 
 
 @dataclass
@@ -397,7 +438,7 @@ def _summary(plan: _Plan, base_side: _Baseline, outcome: _Outcome, options: Eval
         "baseline_model": {"id": manifest.source_model["id"], "path": str(base_side.model.path), "sha256": base_side.sha256},
         "baseline_cache": {
             "hits": sorted(base_side.cached),
-            "misses": sorted(set(plan.configs) - set(base_side.cached)),
+            "misses": sorted(set(base_side.keys) - set(base_side.cached)),
             "refresh": options.refresh_baseline,
         },
         "versions": manifest.versions | {"lm-eval": library_versions()["lm-eval"]},

@@ -4,6 +4,7 @@ and per-item values kept for the paired noise estimate."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,7 +82,7 @@ class Window:
 
     def describe(self) -> str:
         if self.offset:
-            return f" (items {self.offset}-{self.offset + (self.limit or 0) - 1} of the seeded order, held out)"
+            return f" (items {self.offset}-{self.offset + (self.limit or 0) - 1} of the seeded order)"
         return f" (limit {self.limit}, a seeded sample)" if self.limit else ""
 
     def lm_eval(self, tasks: list[str]) -> dict[str, Any]:
@@ -169,6 +170,83 @@ def prompting(raw: dict[str, Any]) -> dict[str, Any]:
 def run_fields(raw: dict[str, Any]) -> dict[str, Any]:
     """The fields of `prompting` that are the run's, not a task's (a cached baseline task keeps them beside its own)."""
     return {k: raw[k] for k in (*TRACKED, "config") if k in raw}
+
+
+def unjoinable(run: EngineRun) -> str | None:
+    """Why `join` cannot rebuild this run's results from its items: a metric lm-eval logs no per-item
+    values of, or whose score (or stderr) is not the mean or ratio of sums of them (lm-eval's
+    mean_stderr) as lm-eval states it; None when every result follows from the items."""
+    for task, res in run.raw.get("results", {}).items():
+        for key, value in res.items():
+            if "," not in key or "_stderr" in key:
+                continue
+            items = run.items.get(task, {}).get(key)
+            if not items:
+                return f"lm-eval logged no per-item values of {task}'s {key}"
+            rebuilt = _rebuilt(key, items, res)
+            if not isinstance(value, (int, float)) or not math.isclose(rebuilt[key], value, rel_tol=1e-9, abs_tol=1e-12):
+                return f"{task}'s {key} is not the mean (or ratio of sums) of the per-item values lm-eval logged"
+            stderr = res.get(_stderr_key(key))
+            if isinstance(stderr, (int, float)) and not math.isclose(rebuilt[_stderr_key(key)], stderr, rel_tol=1e-6):
+                return f"{task}'s {_stderr_key(key)} is not lm-eval's mean_stderr of its per-item values"
+    return None
+
+
+def join(earlier: EngineRun, later: EngineRun) -> EngineRun:
+    """One run over the items of both: `later` scored items of the same tasks that `earlier` did not (the
+    next block of each task's seeded order). Each score is rebuilt from the joined items as lm-eval
+    aggregates them (a mean, or a ratio of sums for perplexities; stderr by lm-eval's mean_stderr where it
+    gave one), so both runs must pass `unjoinable`; a task only `earlier` scored is kept as it was."""
+    from lm_eval.utils import hash_string
+
+    for run in (earlier, later):
+        if why := unjoinable(run):
+            raise ValueError(f"the runs cannot be joined: {why}")
+    raw = _jsonable(earlier.raw)
+    for key in (*TRACKED, "config"):
+        if key in later.raw and later.raw[key] != raw.get(key):
+            raise QserveError(f"lm-eval ran the later items with another {key} than the earlier ones; their scores do not join")
+    items = {task: dict(metrics) for task, metrics in earlier.items.items()}
+    for task, res in later.raw.get("results", {}).items():
+        for key, values in later.items.get(task, {}).items():
+            joined = items.setdefault(task, {}).setdefault(key, {})
+            if both := sorted(set(joined) & set(values))[:3]:
+                raise ValueError(f"{task}: documents {', '.join(both)} were scored in both runs")
+            items[task][key] = joined | values
+        results = raw.setdefault("results", {})
+        before = results.get(task, {})
+        results[task] = before | res
+        if isinstance(before.get("sample_len"), int) and isinstance(res.get("sample_len"), int):
+            results[task]["sample_len"] = before["sample_len"] + res["sample_len"]  # lm-eval's count of items scored
+        for key in res:
+            if "," in key and "_stderr" not in key:
+                results[task] |= _rebuilt(key, items[task][key], res)
+        for section in ("n-shot", "configs", "versions", "higher_is_better"):
+            if task in later.raw.get(section, {}):
+                raw.setdefault(section, {})[task] = later.raw[section][task]
+        counts = [run.raw.get("n-samples", {}).get(task, {}) for run in (earlier, later)]
+        if all(counts):
+            raw.setdefault("n-samples", {})[task] = counts[1] | {"effective": counts[0]["effective"] + counts[1]["effective"]}
+        hashes = [run.raw.get("task_hashes", {}).get(task, "") for run in (earlier, later)]
+        raw.setdefault("task_hashes", {})[task] = hash_string("".join(hashes)) if hashes[0] else hashes[1]
+    return EngineRun(raw, items, earlier.seconds + later.seconds, later.extra)
+
+
+def _rebuilt(key: str, items: ItemValues, res: dict[str, Any]) -> dict[str, Any]:
+    """A metric's score from its items as lm-eval aggregates them, and its stderr where lm-eval gave a number."""
+    from lm_eval.api.metrics import mean_stderr
+
+    values = list(items.values())
+    out: dict[str, Any] = {key: stats.aggregate(key.partition(",")[0], values)}
+    if isinstance(res.get(_stderr_key(key)), (int, float)):
+        flat = [x for v in values for x in v] if stats.several_per_item(key.partition(",")[0], values) else values
+        out[_stderr_key(key)] = mean_stderr(flat) if len(flat) > 1 else res[_stderr_key(key)]
+    return out
+
+
+def _stderr_key(key: str) -> str:
+    name, _, filt = key.partition(",")
+    return f"{name}_stderr,{filt}"
 
 
 def _items(samples: list[dict], results: dict) -> dict[str, ItemValues]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 ORDER_SEED = 0
@@ -40,3 +40,18 @@ def weighted_order(task: str, weights: Mapping[Any, float], seed: int = ORDER_SE
         return -math.log(u) / weights[i]
 
     return sorted(weights, key=finish)
+
+
+# --until-decided's first round: a pass by betting needs more than 70 documents at perplexity's default
+# cap and a few hundred items on 0/1 tasks, so fewer would rarely decide.
+FIRST_ROUND = 100
+
+
+def rounds(first: int, ceiling: int | None) -> Iterator[int]:
+    """--until-decided's --limit per round: `first`, doubling, the last at the ceiling when one is given."""
+    n = first if ceiling is None else min(first, ceiling)
+    while True:
+        yield n
+        if ceiling is not None and n >= ceiling:
+            return
+        n = 2 * n if ceiling is None else min(2 * n, ceiling)

@@ -4,7 +4,6 @@ a step whose valid output exists is not redone."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -13,12 +12,13 @@ from qserve import paths
 from qserve.checkpoint.manifest import MANIFEST_NAME, Manifest, library_versions, manifest_digest, read_manifest
 from qserve.checkpoint.opened import Checkpoint, open_checkpoint
 from qserve.errors import QserveError
+from qserve.gate.order import FIRST_ROUND, rounds
 from qserve.progress import info
 from qserve.runtime.capture import library_output
 from qserve.runtime.process import bounded_in_process_stop
 
 if TYPE_CHECKING:
-    from qserve.evaluate.evaluation import EvalOptions
+    from qserve.evaluate.evaluation import EvalOptions, Scored
     from qserve.gate.schema import EvalRecord
     from qserve.quantize.pipeline import QuantizeOptions
     from qserve.spec.recipe import Recipe
@@ -44,28 +44,19 @@ def quantize_logged(
 
 def evaluate_logged(checkpoint: Path | Checkpoint | None, options: EvalOptions, verbose: bool = False) -> EvalRecord:
     """`qserve eval`: the libraries' output goes to CKPT/logs/eval.log; a signal stops it within a bound."""
-    from qserve.evaluate.evaluation import evaluate
+    return _logged_round(checkpoint, options, verbose)[0]
+
+
+def _logged_round(
+    checkpoint: Path | Checkpoint | None, options: EvalOptions, verbose: bool, earlier: Scored | None = None
+) -> tuple[EvalRecord, Scored]:
+    from qserve.evaluate.evaluation import evaluate_round
     from qserve.gate.records import resolve_checkpoint
 
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else resolve_checkpoint(checkpoint)
     where = ckpt.path if isinstance(ckpt, Checkpoint) else ckpt
     with library_output(paths.log_file(where, "eval"), verbose), bounded_in_process_stop():
-        return evaluate(ckpt, options)
-
-
-# --until-decided's first round: a pass by betting needs more than 70 documents at perplexity's default
-# cap and a few hundred items on 0/1 tasks, so fewer would rarely decide.
-FIRST_ROUND = 100
-
-
-def rounds(first: int, ceiling: int | None) -> Iterator[int]:
-    """--until-decided's --limit per round: `first`, doubling, the last at the ceiling when one is given."""
-    n = first if ceiling is None else min(first, ceiling)
-    while True:
-        yield n
-        if ceiling is not None and n >= ceiling:
-            return
-        n = 2 * n if ceiling is None else min(2 * n, ceiling)
+        return evaluate_round(ckpt, options, earlier)
 
 
 def evaluate_until_decided(
@@ -76,21 +67,30 @@ def evaluate_until_decided(
     verdict is PASS or FAIL, or once every task is scored whole. A betting gate watched at every prefix of
     one order is one wealth process, so stopping at its first decision keeps its level (Ville's
     inequality); a round whose gates are not all such stops the loop, as a further look would spend
-    level. Each round is one engine start per model and scores its prefix again (at most twice the
-    deciding round's items per model)."""
+    level. Each round is one engine start per model and scores only the items after the last round's,
+    joined with them (evaluation.evaluate_round); where lm-eval's scores do not follow from the items it
+    logs (lm_eval_run.unjoinable), each round scores its whole prefix instead."""
     if options.offset:
         raise QserveError("--until-decided takes each task's seeded order from its first document; it cannot start at --offset")
     from qserve.gate.records import resolve_checkpoint
 
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else resolve_checkpoint(checkpoint)
+    earlier, whole = None, False
     for n in rounds(first, options.limit):
-        info(f"until decided: --limit {n}")
-        record = evaluate_logged(ckpt, replace(options, limit=n), verbose)
+        info(
+            f"until decided: --limit {n}"
+            + (f" (items {earlier.upto}-{n - 1} scored now, the first {earlier.upto} carried)" if earlier else "")
+        )
+        record, scored = _logged_round(ckpt, replace(options, limit=n), verbose, earlier)
         if record.verdict in ("pass", "fail") or _scored_whole(record, n):
             return record
         if why := _not_free(record):
             info(f"until decided: stopping at --limit {n}: {why}")
             return record
+        if not whole and earlier is None and (why := scored.unjoinable()):
+            info(f"until decided: each round scores its whole prefix: {why}")
+            whole = True
+        earlier = None if whole else scored
     return record
 
 
