@@ -3,6 +3,8 @@ order, stopping at the first decision (qserve/workflows/run.py, evaluate_until_d
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import re
 import statistics
@@ -12,6 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import copy_checkpoint, run_qserve_in_process
 
+from qserve.checkpoint.manifest import ITEMS_NAME
 from qserve.errors import QserveError
 from qserve.evaluate.evaluation import EvalOptions, evaluate_round
 from qserve.evaluate.lm_eval_run import EngineRun, join, unjoinable
@@ -91,6 +94,8 @@ def fp8_checkpoint(checkpoints, tmp_path_factory) -> Path:
 # A word-perplexity rise of up to 50 %: within the log 2 cap, at most ~1.07 nats of evidence per document
 # (the largest bet, 0.5 / (log 2 - log 1.5), times the largest payoff, log 1.5 + log 2).
 ALLOWANCE = 0.5
+# What each lm-eval run on the quantized checkpoint scored, as its step line names it
+QUANTIZED_RUNS = r"> lm-eval on the quantized checkpoint: gsm8k_ppl \((.*?)\) \.\.\."
 
 
 @pytest.mark.matrix  # three rounds, six engine starts: make test-matrix, which CI runs after make test
@@ -121,7 +126,7 @@ def test_rounds_stop_at_the_first_decision(fp8_checkpoint: Path, capfd: pytest.C
         "--limit 8 (items 4-7 scored now, the first 4 carried)",
     ):
         assert f"until decided: {line}" in said
-    scored = re.findall(r"> lm-eval on the quantized checkpoint: gsm8k_ppl \((.*?)\) \.\.\.", said)
+    scored = re.findall(QUANTIZED_RUNS, said)
     assert scored == ["limit 2, a seeded sample", "items 2-3 of the seeded order", "items 4-7 of the seeded order"]
 
 
@@ -146,17 +151,24 @@ def test_the_cli_names_its_rounds(fp8_checkpoint: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.matrix  # three evals, six engine starts
-def test_a_joined_round_is_the_run_of_its_whole_prefix(fp8_checkpoint: Path, tmp_path: Path) -> None:
-    """Round two scores documents 2-3 alone and joins them to round one's 0-1: the same documents, words
-    and log-likelihoods per document, and the same corpus word perplexity and verdict, as one run of
-    --limit 4 whose baseline is scored afresh."""
+def test_a_larger_limit_continues_the_record(fp8_checkpoint: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """--limit 4 after --limit 2 on the same request scores documents 2-3 alone and joins them to the
+    record's 0-1 (its items file): the same documents, words and log-likelihoods per document, and the
+    same corpus word perplexity, as one run of --limit 4 whose baseline is scored afresh."""
     options = EvalOptions(tasks=["gsm8k_ppl"], gates={"gsm8k_ppl": [GateSpec(max_increase=ALLOWANCE)]}, check_parity=False)
     ckpt = copy_checkpoint(fp8_checkpoint, tmp_path / "rounds")
-    _, first = evaluate_round(ckpt, replace(options, limit=2))
-    record, joined = evaluate_round(ckpt, replace(options, limit=4), first)
+    evaluate_round(ckpt, replace(options, limit=2))
+    record, joined = evaluate_round(ckpt, replace(options, limit=4))
     _, whole = evaluate_round(
         copy_checkpoint(fp8_checkpoint, tmp_path / "whole"), replace(options, limit=4, refresh_baseline=True)
     )
+    said = capfd.readouterr().err
+    assert "continuing the record of --limit 2: items 2-3 of each task scored now" in said
+    assert re.findall(QUANTIZED_RUNS, said) == [
+        "limit 2, a seeded sample",
+        "items 2-3 of the seeded order",
+        "limit 4, a seeded sample",
+    ]
     key = "word_perplexity,none"
     for side in ("quant", "base"):
         got, want = (getattr(run, side).items["gsm8k_ppl"][key] for run in (joined, whole))
@@ -167,3 +179,24 @@ def test_a_joined_round_is_the_run_of_its_whole_prefix(fp8_checkpoint: Path, tmp
         ppl = math.exp(-sum(v[0] for v in want.values()) / words)
         assert math.isclose(getattr(joined, side).raw["results"]["gsm8k_ppl"][key], ppl, rel_tol=1e-12)
     assert record.limit == 4 and record.doc_ids == {"gsm8k_ppl": sorted(int(d) for d in whole.quant.items["gsm8k_ppl"][key])}
+    assert record.items_sha256 == hashlib.sha256((ckpt / ITEMS_NAME).read_bytes()).hexdigest()
+
+
+@pytest.mark.matrix  # two evals, four engine starts
+def test_an_items_file_changed_after_its_record_is_not_continued(
+    fp8_checkpoint: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A record's items file edited afterwards (a document's log-likelihood raised by 50 nats) is not the
+    one the record names: --limit 4 scores all four documents again, and says why."""
+    options = EvalOptions(tasks=["gsm8k_ppl"], gates={"gsm8k_ppl": [GateSpec(max_increase=ALLOWANCE)]}, check_parity=False)
+    ckpt = copy_checkpoint(fp8_checkpoint, tmp_path / "edited")
+    evaluate_round(ckpt, replace(options, limit=2))
+    runs = json.loads((ckpt / ITEMS_NAME).read_text())
+    scored = runs["quantized"]["items"]["gsm8k_ppl"]["word_perplexity,none"]
+    scored[min(scored)][0] += 50.0
+    (ckpt / ITEMS_NAME).write_text(json.dumps(runs))
+    capfd.readouterr()
+    record, _ = evaluate_round(ckpt, replace(options, limit=4))
+    said = capfd.readouterr().err
+    assert "note: qserve_eval_items.json is not the one the record of --limit 2 names; every item is scored again" in said
+    assert re.findall(QUANTIZED_RUNS, said) == ["limit 4, a seeded sample"] and record.limit == 4

@@ -11,5 +11,6 @@ LM_EVAL_RESULTS_NAME = "lm_eval_results.json"
 CARD_NAME = "README.md"  # the model card (qserve writes it; eval rewrites it with results)
 REPORT_NAME = "qserve_eval.md"
 SIGNATURE_NAME = "qserve_signature.sig"  # `qserve sign`: a sigstore bundle over everything else
-RECORD_NAMES = {MANIFEST_NAME, EVAL_NAME, LM_EVAL_RESULTS_NAME, CARD_NAME, REPORT_NAME, SIGNATURE_NAME}
+ITEMS_NAME = "qserve_eval_items.json"  # a limited eval's per-item values, which a larger --limit continues
+RECORD_NAMES = {MANIFEST_NAME, EVAL_NAME, LM_EVAL_RESULTS_NAME, CARD_NAME, REPORT_NAME, SIGNATURE_NAME, ITEMS_NAME}
 RECORD_DIRS = {"logs"}  # <checkpoint>/logs/serve.log

@@ -12,6 +12,7 @@ from qserve.checkpoint.hashing import hash_files, hashed_paths, manifest_digest,
 from qserve.checkpoint.layout import (
     CARD_NAME,
     EVAL_NAME,
+    ITEMS_NAME,
     LM_EVAL_RESULTS_NAME,
     MANIFEST_NAME,
     RECORD_DIRS,
@@ -25,7 +26,7 @@ from qserve.spec.recipe import Recipe
 # Laid out by hand (the names other modules import from here), so the formatter leaves it:
 # fmt: off
 __all__ = [
-    "CARD_NAME", "EVAL_NAME", "LM_EVAL_RESULTS_NAME", "MANIFEST_NAME", "RECORD_DIRS", "RECORD_NAMES", "REPORT_NAME",
+    "CARD_NAME", "EVAL_NAME", "ITEMS_NAME", "LM_EVAL_RESULTS_NAME", "MANIFEST_NAME", "RECORD_DIRS", "RECORD_NAMES", "REPORT_NAME",
     "SIGNATURE_NAME", "Manifest", "VllmArgs", "hash_files", "hashed_paths", "library_versions", "manifest_digest",
     "check_hashes", "read_manifest", "refuse_special_files", "sha256_file", "verify_files", "write_manifest",
 ]

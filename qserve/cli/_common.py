@@ -59,7 +59,8 @@ LimitOpt = Annotated[
         "--limit",
         "-l",
         min=1,
-        help="Evaluate N items of each task: the first N of a seeded random order of its documents, fixed per task, so a larger N keeps a smaller one's items.",
+        help="Evaluate N items of each task: the first N of a seeded random order of its documents, fixed per task, "
+        "so a larger N keeps a smaller one's items (and after the checkpoint's record of a smaller N, scores only the rest).",
     ),
 ]
 GateOpt = Annotated[

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -12,7 +14,7 @@ from typing import Any
 from qserve import paths
 from qserve.checkpoint import signing
 from qserve.checkpoint.hashing import model_digest
-from qserve.checkpoint.manifest import Manifest, VllmArgs, library_versions, manifest_digest, read_manifest
+from qserve.checkpoint.manifest import ITEMS_NAME, Manifest, VllmArgs, library_versions, manifest_digest, read_manifest
 from qserve.checkpoint.opened import Checkpoint, open_checkpoint
 from qserve.device import detect
 from qserve.engines import flags, kv_scales, throughput
@@ -128,10 +130,12 @@ def evaluate_round(
 ) -> tuple[EvalRecord, Scored]:
     """`evaluate`, and what it scored. With `earlier` (a `Scored` of this checkpoint and these options'
     first `earlier.upto` items), only the items after them up to options.limit are scored, each model on
-    one engine, and joined with them: the record is that of `--limit` options.limit."""
+    one engine, and joined with them: the record is that of `--limit` options.limit. Without it, the
+    checkpoint's record of a smaller --limit of the same request is continued so (`stored`)."""
     options = options or EvalOptions()
     plan = _plan(checkpoint, options)
     window = Window.select(options.limit, options.offset, list(plan.configs.values()))
+    earlier = earlier or stored(plan, options, window)
     scoring, block = plan, window
     if earlier is not None:
         scoring, block = _after(plan, window, earlier.upto)
@@ -171,9 +175,55 @@ def evaluate_round(
         if look["counted"]:
             looks.record(plan.manifest, entry)
         look["history"] = looks.chained(look["earlier"], *([entry] if look["counted"] else []))
+    if options.limit is not None and not options.offset:
+        summary["items_sha256"] = _write_items(plan.ckpt, quant, base)
     record = EvalRecord.model_validate(summary)  # a record that fails its schema is a qserve bug
     reports.write_all(plan.ckpt, plan.manifest, record, {"quantized": quant.raw, "baseline": base.raw})
     return record, Scored(quant, base, options.limit or 0)
+
+
+def _write_items(ckpt: Path, quant: EngineRun, base: EngineRun) -> str:
+    """Both runs and their per-item values beside the record (ITEMS_NAME), before it: the record names
+    them by sha256, so a later --limit continues only from the file this record was decided on."""
+    text = json.dumps(
+        {
+            side: {"raw": run.raw, "items": run.items, "seconds": run.seconds}
+            for side, run in (("quantized", quant), ("baseline", base))
+        }
+    )
+    paths.write_text(ckpt / ITEMS_NAME, text)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def stored(plan: _Plan, options: EvalOptions, window: Window) -> Scored | None:
+    """What the checkpoint's record scored, when a --limit from the first item continues it: a record of a
+    smaller --limit of this same request (everything but the limit equal: tasks, data, gates, lm-eval
+    options, device, scoring) on this manifest, whose items file is the one it names, and a task with items
+    after them; None otherwise, or with --refresh-baseline (everything scored afresh)."""
+    if window.limit is None or window.offset or options.refresh_baseline:
+        return None
+    try:
+        record = read_eval(plan.ckpt)
+    except QserveError:
+        return None  # a corrupt record: _look says so
+    if record is None or record.items_sha256 is None or record.offset or not 0 < (record.limit or 0) < window.limit:
+        return None
+    upto = record.limit or 0
+    if record.manifest_sha256 != manifest_digest(plan.ckpt) or record.request != _request(plan, replace(options, limit=upto)):
+        return None
+    if not any(len(ids) > upto for ids in (window.ids or {}).values()):
+        return None
+    path = plan.ckpt / ITEMS_NAME
+    text = path.read_text() if path.is_file() else ""
+    if hashlib.sha256(text.encode()).hexdigest() != record.items_sha256:
+        info(f"note: {path.name} is not the one the record of --limit {upto} names; every item is scored again")
+        return None
+    runs = json.loads(text)
+    scored = Scored(*(EngineRun(runs[s]["raw"], runs[s]["items"], runs[s]["seconds"]) for s in ("quantized", "baseline")), upto)
+    if scored.unjoinable():
+        return None  # its scores do not follow from its items (lm_eval_run.unjoinable): scored whole
+    info(f"continuing the record of --limit {upto}: items {upto}-{window.limit - 1} of each task scored now")
+    return scored
 
 
 def _after(plan: _Plan, window: Window, upto: int) -> tuple[_Plan, Window]:

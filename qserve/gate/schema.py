@@ -175,6 +175,9 @@ class EvalRecord(BaseModel):
     timings: dict[str, float] | None = None
     look: Look | None = None
     request: dict[str, Any] | None = None  # what was asked, as reusable_eval compares it (a fingerprint)
+    # sha256 of qserve_eval_items.json (both models' runs and per-item values) for a limited eval from the
+    # first item: a larger --limit of the same request scores only the items after them (evaluation.py)
+    items_sha256: str | None = None
     prompting: Prompting | None = None
     waivers: list[Waiver] | None = None  # gate differences an operator accepted (--accept-gate-difference)
     # Set when `qserve gate --checkpoint` decided from lm-eval runs made elsewhere; None: qserve's own runs
