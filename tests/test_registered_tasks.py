@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -316,6 +318,116 @@ def hub_copy_of_gsm8k(root: Path) -> Path:
         "  - split: test\n    path: main/test-*\n---\n# GSM8K (local copy)\n"
     )
     return repo
+
+
+def hub_copy_of_lambada(root: Path) -> Path:
+    """EleutherAI/lambada_openai (config `default`) in the hub's layout, its passages GSM8K's test
+    questions: lm-eval's lambada_openai scores each passage's last word given the rest."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    repo = root / "EleutherAI" / "lambada_openai"
+    (repo / "default").mkdir(parents=True)
+    rows = [{"text": json.loads(line)["question"]} for line in (DATA_DIR / "gsm8k" / "test.jsonl").read_text().splitlines()]
+    pq.write_table(pa.Table.from_pylist(rows), repo / "default" / "test-00000-of-00001.parquet")
+    (repo / "README.md").write_text(
+        "---\nconfigs:\n- config_name: default\n  data_files:\n  - split: test\n    path: default/test-*\n---\n# local copy\n"
+    )
+    return repo
+
+
+def _lambada_run(tmp_path: Path, worse_by: Callable[[int], float]) -> Any:
+    """lm-eval's own lambada_openai on 300 passages, scored by a model whose log-likelihood of passage i's
+    last word is -1 - (i % 7) / 2 - worse_by(i), through qserve's collection of its per-item values."""
+    import lm_eval
+    from lm_eval.api.model import LM
+
+    from qserve.evaluate.lm_eval_run import EngineRun, _items
+    from qserve.evaluate.tasks import config_task_manager
+
+    class Scripted(LM):
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            return [(-1.0 - (r.doc_id % 7) / 2 - worse_by(r.doc_id), False) for r in requests]
+
+        def generate_until(self, requests, disable_tqdm: bool = False):
+            raise NotImplementedError
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+            raise NotImplementedError
+
+    hub = tmp_path / "datasets"
+    if not hub.exists():
+        hub_copy_of_lambada(hub)
+    (task,) = get_tasks(["lambada_openai"], datasets=hub)
+    config = lm_eval_config(task, DATA_DIR, hub)
+    out = lm_eval.simple_evaluate(
+        model=Scripted(),
+        tasks=[config],
+        task_manager=config_task_manager(),
+        log_samples=True,
+        samples={task.name: list(range(300))},
+    )
+    raw = {k: out[k] for k in ("results", "higher_is_better")}
+    return EngineRun(raw, {task.name: _items(out["samples"][task.name], out["results"][task.name])})
+
+
+def test_lambadas_perplexity_is_gated_on_its_own_scale(tmp_path: Path) -> None:
+    """lm-eval's `perplexity` (lambada's headline) is exp(-mean log-likelihood of the last word): its items
+    are log-likelihoods, higher better, while the metric is lower-better. A model whose every word's loss
+    rose by 0.5 nats has 65 % more perplexity (e^0.5 - 1, by hand) and fails a 5 % allowance; one whose
+    loss rose by 0.005 nats (+0.5 %) give or take 0.01 passes it."""
+    import math
+
+    from qserve.gate.core import decide_gates
+    from qserve.spec.gates import GateSpec
+
+    base = _lambada_run(tmp_path, lambda i: 0.0)
+    worse = _lambada_run(tmp_path, lambda i: 0.5)
+    close = _lambada_run(tmp_path, lambda i: 0.005 + 0.01 * math.sin(i))
+    key = "perplexity,none"
+    stated = base.raw["results"]["lambada_openai"][key]
+    assert stated == pytest.approx(math.exp(sum(1 + (i % 7) / 2 for i in range(300)) / 300), rel=1e-12)
+    assert base.items["lambada_openai"][key]["0"] == [-1.0, 1.0]
+    spec = {"lambada_openai": [GateSpec(metric=key, max_increase=0.05)]}
+    headline = {"lambada_openai": key}
+    (failed,) = decide_gates(spec, headline, base, worse, 0.05)
+    assert failed.status == "fail" and failed.reason.startswith(f"{math.exp(0.5) - 1:+.2%} vs allowed +5.00%: exceeded")
+    (passed,) = decide_gates(spec, headline, base, close, 0.05)
+    rise = math.exp(sum(0.005 + 0.01 * math.sin(i) for i in range(300)) / 300) - 1
+    assert passed.status == "pass" and passed.reason.startswith(f"{rise:+.2%} vs allowed +5.00%, clear of noise")
+
+
+def test_a_corpus_metrics_items_are_not_read_as_its_noise(tmp_path: Path) -> None:
+    """BLEU logs a (reference, prediction) pair per item and states a corpus score: qserve keeps no per-item
+    values for it, as they do not give the score. It used to read numeric texts as two values per item (and
+    stop on any other text)."""
+    import lm_eval
+    from lm_eval.api.model import LM
+
+    from qserve.evaluate.lm_eval_run import _items
+    from qserve.evaluate.tasks import config_task_manager
+
+    class Scripted(LM):
+        def generate_until(self, requests, disable_tqdm: bool = False):
+            return ["2" for _ in requests]
+
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            raise NotImplementedError
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+            raise NotImplementedError
+
+    folder = _task_folder(tmp_path)
+    gen = yaml.safe_load((folder / "tiny_gen.yaml").read_text())
+    gen |= {"task": "tiny_bleu", "metric_list": [{"metric": "bleu", "aggregation": "bleu", "higher_is_better": True}]}
+    gen.pop("filter_list")
+    (folder / "tiny_bleu.yaml").write_text(yaml.safe_dump(gen))
+    (task,) = get_tasks(["tiny_bleu"], include_path=folder)
+    out = lm_eval.simple_evaluate(
+        model=Scripted(), tasks=[lm_eval_config(task, DATA_DIR)], task_manager=config_task_manager(), log_samples=True
+    )
+    assert [s["bleu"] for s in out["samples"]["tiny_bleu"]][0] == ["2", "2"]
+    assert _items(out["samples"]["tiny_bleu"], out["results"]["tiny_bleu"]) == {}
 
 
 def test_a_registered_task_reads_its_local_copy(tmp_path: Path) -> None:

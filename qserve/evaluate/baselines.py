@@ -26,7 +26,8 @@ from qserve.paths import write_json
 
 # 3: an entry carries lm-eval's account of how it prompted (chat template, task hashes) and its key lm-eval's
 # options; entries without them cannot be checked against the quantized run, so they are not read.
-FORMAT = 3
+# 4: its items are those that give lm-eval's score (stats.adds_up; `perplexity` as [loglikelihood, 1]).
+FORMAT = 4
 
 
 def task_key(

@@ -182,11 +182,13 @@ def unjoinable(run: EngineRun) -> str | None:
                 continue
             items = run.items.get(task, {}).get(key)
             if not items:
-                return f"lm-eval logged no per-item values of {task}'s {key}"
-            rebuilt = _rebuilt(key, items, res)
-            if not isinstance(value, (int, float)) or not math.isclose(rebuilt[key], value, rel_tol=1e-9, abs_tol=1e-12):
+                return f"{task}'s {key} has no per-item values that give its score"
+            if not stats.adds_up(key, items, value):
                 return f"{task}'s {key} is not the mean (or ratio of sums) of the per-item values lm-eval logged"
             stderr = res.get(_stderr_key(key))
+            if isinstance(stderr, (int, float)) and key.partition(",")[0] in stats.WEIGHTED:
+                return f"{task}'s {_stderr_key(key)} is lm-eval's bootstrap, which the items do not give again"
+            rebuilt = _rebuilt(key, items, res)
             if isinstance(stderr, (int, float)) and not math.isclose(rebuilt[_stderr_key(key)], stderr, rel_tol=1e-6):
                 return f"{task}'s {_stderr_key(key)} is not lm-eval's mean_stderr of its per-item values"
     return None
@@ -238,7 +240,7 @@ def _rebuilt(key: str, items: ItemValues, res: dict[str, Any]) -> dict[str, Any]
 
     values = list(items.values())
     out: dict[str, Any] = {key: stats.aggregate(key.partition(",")[0], values)}
-    if isinstance(res.get(_stderr_key(key)), (int, float)):
+    if isinstance(res.get(_stderr_key(key)), (int, float)) and key.partition(",")[0] not in stats.WEIGHTED:
         flat = [x for v in values for x in v] if stats.several_per_item(key.partition(",")[0], values) else values
         out[_stderr_key(key)] = mean_stderr(flat) if len(flat) > 1 else res[_stderr_key(key)]
     return out
@@ -250,8 +252,9 @@ def _stderr_key(key: str) -> str:
 
 
 def _items(samples: list[dict], results: dict) -> dict[str, ItemValues]:
+    """Per metric, the per-item values that give lm-eval's score (stats.adds_up); a corpus metric's have none."""
     keys = [k for k in results if "," in k and "_stderr" not in k]
-    return {k: v for k in keys if (v := stats.item_values(samples, k))}
+    return {k: v for k in keys if (v := stats.item_values(samples, k)) and stats.adds_up(k, v, results[k])}
 
 
 def _jsonable(obj: Any) -> Any:

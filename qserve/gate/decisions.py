@@ -320,7 +320,11 @@ def _without_bounds(cmp: Comparison, deg: float, allowed: float, within: str) ->
         noise = cmp.noise
         if noise is not None and deg - 1.645 * noise > allowed:  # unpaired normal bound: only ever a failure
             return "fail", f"{within}: exceeded beyond the unpaired noise ±{noise:.2g}", None
-        return "inconclusive", f"{within}: lm-eval logged no per-item values, so the noise cannot be judged", None
+        return (
+            "inconclusive",
+            f"{within}: no per-item values give this score (lm-eval logged none, or a corpus metric's), so the noise cannot be judged",
+            None,
+        )
     if n < 2:
         return "inconclusive", f"{within}: one item gives no noise estimate; evaluate more items (--limit)", None
     return (

@@ -256,8 +256,8 @@ class _LmEvalRun:
         stated, _, items = side
         if not items:
             return
-        from_items = stats.aggregate(metric.partition(",")[0], list(items.values()))
-        if abs(from_items - stated) > 1e-6 * max(1.0, abs(stated)):
+        if not stats.adds_up(metric, items, stated):
+            from_items = stats.aggregate(metric.partition(",")[0], list(items.values()))
             raise QserveError(
                 f"{task}: the {len(items)} items in {self.samples_file(task).name} give {metric} {from_items:.6g}, "
                 f"but {self.path.name} states {stated:.6g}: they are not the items of that result"

@@ -53,27 +53,48 @@ from qserve.gate.spending import ALPHA, min_items
 ONE_SIDED = ALPHA  # each bound is one-sided 95 % unless a caller spends less (looks.py)
 SKEW_RULE = (28, 25)  # a pass needs n > 28 + 25 g1^2 (the docstring says why)
 TAIL = 0.3  # the upper bound's critical value is t + TAIL t^2 (the docstring says why)
-# lm-eval's corpus-level metrics: each item contributes (log-likelihood, words or bytes).
+# lm-eval's corpus-level metrics: each item contributes (log-likelihood, words or bytes). lm-eval's
+# `perplexity` (lambada's) logs one log-likelihood per item and states exp(-their mean): a count of 1 each.
 WEIGHTED = {
     "word_perplexity": lambda ll, n: math.exp(-ll / n),
     "byte_perplexity": lambda ll, n: math.exp(-ll / n),
     "bits_per_byte": lambda ll, n: -ll / n / math.log(2),
+    "perplexity": lambda ll, n: math.exp(-ll / n),
 }
-LOG_SCALE = {"word_perplexity", "byte_perplexity"}
+LOG_SCALE = {"word_perplexity", "byte_perplexity", "perplexity"}
 
 ItemValues = dict[str, Any]  # doc_id (as str, for JSON) -> float, or [loglikelihood, count]
 
 
 def item_values(samples: list[dict], metric_key: str) -> ItemValues:
-    """The per-item values lm-eval logged for '<metric>,<filter>'."""
+    """The per-item values lm-eval logged for '<metric>,<filter>': numbers, or lists of them (several per
+    item; [loglikelihood, count] for WEIGHTED metrics, [loglikelihood, 1] for `perplexity`). None of them
+    when an item logged something else (a corpus metric's (reference, prediction) pair of texts)."""
     metric, _, filt = metric_key.partition(",")
     out: ItemValues = {}
     for s in samples:
         if s.get("filter", "none") != (filt or "none") or metric not in s:
             continue
         value = s[metric]
-        out[str(s["doc_id"])] = [float(v) for v in value] if isinstance(value, (list, tuple)) else float(value)
+        try:
+            out[str(s["doc_id"])] = [float(v) for v in value] if isinstance(value, (list, tuple)) else float(value)
+        except (TypeError, ValueError):
+            return {}
+        if metric == "perplexity" and isinstance(out[str(s["doc_id"])], float):
+            out[str(s["doc_id"])] = [out[str(s["doc_id"])], 1.0]
     return out
+
+
+def adds_up(metric_key: str, items: ItemValues, stated: Any) -> bool:
+    """Whether the items give the score lm-eval states, as it aggregates them (a mean, or a ratio of sums):
+    a corpus metric's items (MCC's, F1's (gold, prediction) pairs) do not, and say nothing of its noise."""
+    if not items or not isinstance(stated, (int, float)):
+        return False
+    try:
+        from_items = aggregate(metric_key.partition(",")[0], list(items.values()))
+    except (TypeError, ValueError, ZeroDivisionError, IndexError, OverflowError):
+        return False
+    return abs(from_items - stated) <= 1e-6 * max(1.0, abs(stated))
 
 
 def aggregate(metric: str, values: list) -> float:
