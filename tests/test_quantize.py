@@ -336,6 +336,7 @@ def test_every_file_but_qserves_records_is_hashed_and_checked(tmp_path: Path) ->
         "qserve_eval.json",
         "qserve_eval.md",
         "lm_eval_results.json",
+        "qserve_eval_items.json",
         "logs/serve.log",
         "qserve_eval.json.77.tmp",
     ):
