@@ -104,10 +104,12 @@ def test_rounds_stop_at_the_first_decision(fp8_checkpoint: Path, capfd: pytest.C
     (2 x 1.07 < 3.0) nor fail (the fail bet gains at most 0.12 nats a document), so the first round is
     INCONCLUSIVE by construction; an FP8 model, whose per-word loss barely moves, gains about 0.53 nats a
     document at the largest bet, so four documents do not pass (2.1) and eight do (4.2). Each round is one
-    look at a prefix of the same order, recorded with its verdict."""
+    look at a prefix of the same order, recorded with its verdict. The first command stops at its ceiling
+    of 4; a second without one goes on from its record: rounds 2 and 4 are in it, round 8 scores 4-7."""
     lo, hi, delta = betting.Spec("perplexity", ALLOWANCE).bet_range()
     assert 2 * math.log1p(0.5 / (hi - delta) * (delta - lo)) < math.log(20)
     options = EvalOptions(tasks=["gsm8k_ppl"], gates={"gsm8k_ppl": [GateSpec(max_increase=ALLOWANCE)]}, check_parity=False)
+    assert evaluate_until_decided(fp8_checkpoint, replace(options, limit=4), first=2).verdict == "inconclusive"
     record = evaluate_until_decided(fp8_checkpoint, options, first=2)
     (gate,) = record.gates
     assert (record.verdict, record.limit, gate.status) == ("pass", 8, "pass"), gate.reason
@@ -122,10 +124,12 @@ def test_rounds_stop_at_the_first_decision(fp8_checkpoint: Path, capfd: pytest.C
     # Each later round scored its new documents alone, one engine per model, and joined the earlier ones.
     said = capfd.readouterr().err
     for line in (
-        "--limit 4 (items 2-3 scored now, the first 2 carried)",
-        "--limit 8 (items 4-7 scored now, the first 4 carried)",
+        "until decided: --limit 4 (items 2-3 scored now, the first 2 carried)",
+        "until decided: --limit 2: in the checkpoint's record already (its --limit 4, inconclusive)",
+        "until decided: --limit 4: in the checkpoint's record already (its --limit 4, inconclusive)",
+        "continuing the record of --limit 4: items 4-7 of each task scored now",
     ):
-        assert f"until decided: {line}" in said
+        assert line in said
     scored = re.findall(QUANTIZED_RUNS, said)
     assert scored == ["limit 2, a seeded sample", "items 2-3 of the seeded order", "items 4-7 of the seeded order"]
 

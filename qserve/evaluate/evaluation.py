@@ -202,14 +202,8 @@ def stored(plan: _Plan, options: EvalOptions, window: Window) -> Scored | None:
     after them; None otherwise, or with --refresh-baseline (everything scored afresh)."""
     if window.limit is None or window.offset or options.refresh_baseline:
         return None
-    try:
-        record = read_eval(plan.ckpt)
-    except QserveError:
-        return None  # a corrupt record: _look says so
-    if record is None or record.items_sha256 is None or record.offset or not 0 < (record.limit or 0) < window.limit:
-        return None
-    upto = record.limit or 0
-    if record.manifest_sha256 != manifest_digest(plan.ckpt) or record.request != _request(plan, replace(options, limit=upto)):
+    record = _continuable(plan, options)
+    if record is None or not (upto := record.limit or 0) < window.limit:
         return None
     if not any(len(ids) > upto for ids in (window.ids or {}).values()):
         return None
@@ -224,6 +218,25 @@ def stored(plan: _Plan, options: EvalOptions, window: Window) -> Scored | None:
         return None  # its scores do not follow from its items (lm_eval_run.unjoinable): scored whole
     info(f"continuing the record of --limit {upto}: items {upto}-{window.limit - 1} of each task scored now")
     return scored
+
+
+def continuable(checkpoint: str | Path | Checkpoint, options: EvalOptions) -> EvalRecord | None:
+    """The checkpoint's record when a larger --limit of `options` would continue it (`stored`), else None."""
+    return _continuable(_plan(checkpoint, options), options)
+
+
+def _continuable(plan: _Plan, options: EvalOptions) -> EvalRecord | None:
+    """The checkpoint's record of a --limit from the first item, with its items file named, on this manifest
+    and this request but for the limit."""
+    try:
+        record = read_eval(plan.ckpt)
+    except QserveError:
+        return None  # a corrupt record: _look says so
+    if record is None or record.items_sha256 is None or record.offset or not record.limit:
+        return None
+    if record.manifest_sha256 != manifest_digest(plan.ckpt):
+        return None
+    return record if record.request == _request(plan, replace(options, limit=record.limit)) else None
 
 
 def _after(plan: _Plan, window: Window, upto: int) -> tuple[_Plan, Window]:

@@ -76,7 +76,11 @@ def evaluate_until_decided(
 
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else resolve_checkpoint(checkpoint)
     earlier, whole = None, False
+    recorded = _recorded_rounds(ckpt, options)
     for n in rounds(first, options.limit):
+        if n <= recorded and n != options.limit:
+            info(f"until decided: --limit {n}: in the checkpoint's record already (its --limit {recorded}, inconclusive)")
+            continue
         info(
             f"until decided: --limit {n}"
             + (f" (items {earlier.upto}-{n - 1} scored now, the first {earlier.upto} carried)" if earlier else "")
@@ -92,6 +96,22 @@ def evaluate_until_decided(
             whole = True
         earlier = None if whole else scored
     return record
+
+
+def _recorded_rounds(checkpoint: Path | Checkpoint, options: EvalOptions) -> int:
+    """The --limit of the checkpoint's record when --until-decided goes on after it: the same request but for
+    the limit, INCONCLUSIVE, and every gate a bet over every look (so the rounds up to it were free and
+    undecided); 0 otherwise. The next round continues its items (evaluation.stored)."""
+    from qserve.evaluate.evaluation import continuable
+    from qserve.gate.records import read_eval
+
+    try:  # the record alone first: most checkpoints have none to go on from, and need no plan
+        record = read_eval(checkpoint.path if isinstance(checkpoint, Checkpoint) else checkpoint)
+    except QserveError:
+        return 0  # a corrupt record: the eval says so
+    if record is None or record.items_sha256 is None or record.verdict != "inconclusive" or _not_free(record):
+        return 0
+    return (record.limit or 0) if continuable(checkpoint, options) is not None else 0
 
 
 def _scored_whole(record: EvalRecord, n: int) -> bool:
