@@ -12,7 +12,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import copy_checkpoint, run_qserve_in_process
+import yaml
+from conftest import DATA_DIR, copy_checkpoint, run_qserve_in_process
 
 from qserve.checkpoint.manifest import ITEMS_NAME
 from qserve.errors import QserveError
@@ -132,6 +133,44 @@ def test_rounds_stop_at_the_first_decision(fp8_checkpoint: Path, capfd: pytest.C
         assert line in said
     scored = re.findall(QUANTIZED_RUNS, said)
     assert scored == ["limit 2, a seeded sample", "items 2-3 of the seeded order", "items 4-7 of the seeded order"]
+
+
+@pytest.mark.matrix  # two rounds, four engine starts
+def test_rounds_whose_scores_do_not_join_score_their_whole_prefix(
+    fp8_checkpoint: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A lambada-shaped task (each passage's last word given the rest; lm-eval's perplexity and acc) on
+    GSM8K's questions: lm-eval bootstraps the perplexity's stderr, which the items do not give again, so
+    the second round scores documents 0-3 whole. Its acc gate (0/1 items, a bet) cannot decide on 4 items:
+    at max_drop 0.5 the largest bet gains log 1.5 an item, and 4 log 1.5 < log 20."""
+    assert 4 * math.log(1.5) < math.log(20)
+    folder, data = tmp_path / "tasks", tmp_path / "passages.jsonl"
+    folder.mkdir()
+    lines = (DATA_DIR / "gsm8k" / "test.jsonl").read_text().splitlines()[:20]
+    data.write_text("".join(json.dumps({"text": json.loads(line)["question"]}) + "\n" for line in lines))
+    task = {
+        "task": "last_word",
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(data)}},
+        "test_split": "test",
+        "output_type": "loglikelihood",
+        "doc_to_text": "{{text.split(' ')[:-1]|join(' ')}}",
+        "doc_to_target": "{{' '+text.split(' ')[-1]}}",
+        "metric_list": [
+            {"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False},
+            {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
+        ],
+    }
+    (folder / "last_word.yaml").write_text(yaml.safe_dump(task))
+    gates = {"last_word": [GateSpec(metric="acc,none", max_drop=0.5)]}
+    options = EvalOptions(tasks=["last_word"], gates=gates, check_parity=False, include_path=folder, limit=4)
+    record = evaluate_until_decided(copy_checkpoint(fp8_checkpoint, tmp_path / "ckpt"), options, first=2)
+    assert (record.verdict, record.limit) == ("inconclusive", 4)
+    said = capfd.readouterr().err
+    why = "last_word's perplexity_stderr,none is lm-eval's bootstrap, which the items do not give again"
+    assert f"until decided: each round scores its whole prefix: {why}" in said
+    runs = re.findall(r"> lm-eval on the quantized checkpoint: last_word \((.*?)\) \.\.\.", said)
+    assert runs == ["limit 2, a seeded sample", "limit 4, a seeded sample"]
 
 
 def test_the_cli_names_its_rounds(fp8_checkpoint: Path, tmp_path: Path) -> None:
