@@ -62,6 +62,33 @@ def _checkpoint(root: Path) -> Path:
     return ckpt
 
 
+def scripted_lm(generate: Callable[[Any], str] | None = None, loglikelihood: Callable[[Any], float] | None = None) -> Any:
+    """An lm-eval model that answers each request by a rule: `generate(request)` for generate_until,
+    `loglikelihood(request)` (the log-likelihood; never greedy) for loglikelihood; the rest it refuses."""
+    from lm_eval.api.model import LM
+
+    class Scripted(LM):
+        def generate_until(self, requests, disable_tqdm: bool = False):
+            if generate is None:
+                raise NotImplementedError
+            return [generate(r) for r in requests]
+
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            if loglikelihood is None:
+                raise NotImplementedError
+            return [(loglikelihood(r), False) for r in requests]
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+            raise NotImplementedError
+
+    return Scripted()
+
+
+def _prefers_sky_yes(worse: float) -> Callable[[Any], float]:
+    """Log-likelihood -1 for "yes" when the question is about the sky (and for "no" otherwise), else `worse`."""
+    return lambda r: -1.0 if (r.args[1].strip() == "yes") == ("sky" in r.args[0]) else worse
+
+
 def test_a_registered_task_resolves_to_lm_evals_own_config() -> None:
     (task,) = get_tasks(["gsm8k_cot_llama"])
     assert isinstance(task, LmEvalTask) and task.name == "gsm8k_cot_llama"
@@ -89,26 +116,14 @@ def test_per_item_values_of_a_generation_and_a_multiple_choice_task(tmp_path: Pa
     """The paired test's per-item values, as qserve collects them from lm-eval's samples, for the headline
     metric of a generate_until task (through its filter) and of a multiple_choice one."""
     import lm_eval
-    from lm_eval.api.model import LM
 
     from qserve.evaluate.lm_eval_run import _items
     from qserve.evaluate.tasks import config_task_manager
 
-    class Scripted(LM):
-        """Answers 2 to every question; prefers "yes" when the question is about the sky."""
-
-        def generate_until(self, requests, disable_tqdm: bool = False):
-            return ["It is 2, surely." for _ in requests]
-
-        def loglikelihood(self, requests, disable_tqdm: bool = False):
-            return [(-1.0 if (c.strip() == "yes") == ("sky" in q) else -2.0, False) for q, c in (r.args for r in requests)]
-
-        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
-            raise NotImplementedError
-
+    model = scripted_lm(generate=lambda r: "It is 2, surely.", loglikelihood=_prefers_sky_yes(-2.0))
     tasks = get_tasks(["tiny_gen", "tiny_mc"], include_path=_task_folder(tmp_path))
     configs = [lm_eval_config(t, DATA_DIR) for t in tasks]
-    out = lm_eval.simple_evaluate(model=Scripted(), tasks=configs, task_manager=config_task_manager(), log_samples=True)
+    out = lm_eval.simple_evaluate(model=model, tasks=configs, task_manager=config_task_manager(), log_samples=True)
     gen, mc = (_items(out["samples"][t.name], out["results"][t.name])[t.metric] for t in tasks)
     assert gen == {"0": 1.0, "1": 0.0, "2": 1.0}  # answers 2, 3, 2 against "2"
     assert mc == {"0": 1.0, "1": 0.0, "2": 1.0}  # every target is "yes"; only the sky questions get it
@@ -119,22 +134,12 @@ def test_two_blocks_joined_are_lm_evals_run_of_all_items(tmp_path: Path) -> None
     generation task through its filter and a multiple-choice one (acc and acc_norm), documents 0 and 1-2
     scored apart and joined give the scores and stderrs lm-eval states when it scores all three at once."""
     import lm_eval
-    from lm_eval.api.model import LM
 
     from qserve.evaluate.lm_eval_run import EngineRun, _items, join, unjoinable
     from qserve.evaluate.tasks import config_task_manager
 
-    class Scripted(LM):
-        """Answers 2, then 3, then 2 ...; prefers "yes" when the question is about the sky."""
-
-        def generate_until(self, requests, disable_tqdm: bool = False):
-            return [f"It is {2 if 'plus zero' in r.args[0] or 'One plus one' in r.args[0] else 5}." for r in requests]
-
-        def loglikelihood(self, requests, disable_tqdm: bool = False):
-            return [(-1.0 if (c.strip() == "yes") == ("sky" in q) else -1.5, False) for q, c in (r.args for r in requests)]
-
-        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
-            raise NotImplementedError
+    def answer(r: Any) -> str:
+        return f"It is {2 if 'plus zero' in r.args[0] or 'One plus one' in r.args[0] else 5}."
 
     tasks = get_tasks(["tiny_gen", "tiny_mc"], include_path=_task_folder(tmp_path))
     configs = [lm_eval_config(t, DATA_DIR) for t in tasks]
@@ -142,7 +147,11 @@ def test_two_blocks_joined_are_lm_evals_run_of_all_items(tmp_path: Path) -> None
     def run(ids: list[int] | None) -> EngineRun:
         picked = {} if ids is None else {"samples": {t.name: ids for t in tasks}}
         out = lm_eval.simple_evaluate(
-            model=Scripted(), tasks=configs, task_manager=config_task_manager(), log_samples=True, **picked
+            model=scripted_lm(answer, _prefers_sky_yes(-1.5)),
+            tasks=configs,
+            task_manager=config_task_manager(),
+            log_samples=True,
+            **picked,
         )
         raw = {k: out[k] for k in ("results", "n-samples")}
         return EngineRun(raw, {t.name: _items(out["samples"][t.name], out["results"][t.name]) for t in tasks})
@@ -340,20 +349,9 @@ def _lambada_run(tmp_path: Path, worse_by: Callable[[int], float]) -> Any:
     """lm-eval's own lambada_openai on 300 passages, scored by a model whose log-likelihood of passage i's
     last word is -1 - (i % 7) / 2 - worse_by(i), through qserve's collection of its per-item values."""
     import lm_eval
-    from lm_eval.api.model import LM
 
     from qserve.evaluate.lm_eval_run import EngineRun, _items
     from qserve.evaluate.tasks import config_task_manager
-
-    class Scripted(LM):
-        def loglikelihood(self, requests, disable_tqdm: bool = False):
-            return [(-1.0 - (r.doc_id % 7) / 2 - worse_by(r.doc_id), False) for r in requests]
-
-        def generate_until(self, requests, disable_tqdm: bool = False):
-            raise NotImplementedError
-
-        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
-            raise NotImplementedError
 
     hub = tmp_path / "datasets"
     if not hub.exists():
@@ -361,7 +359,7 @@ def _lambada_run(tmp_path: Path, worse_by: Callable[[int], float]) -> Any:
     (task,) = get_tasks(["lambada_openai"], datasets=hub)
     config = lm_eval_config(task, DATA_DIR, hub)
     out = lm_eval.simple_evaluate(
-        model=Scripted(),
+        model=scripted_lm(loglikelihood=lambda r: -1.0 - (r.doc_id % 7) / 2 - worse_by(r.doc_id)),
         tasks=[config],
         task_manager=config_task_manager(),
         log_samples=True,
@@ -402,20 +400,9 @@ def test_a_corpus_metrics_items_are_not_read_as_its_noise(tmp_path: Path) -> Non
     values for it, as they do not give the score. It used to read numeric texts as two values per item (and
     stop on any other text)."""
     import lm_eval
-    from lm_eval.api.model import LM
 
     from qserve.evaluate.lm_eval_run import _items
     from qserve.evaluate.tasks import config_task_manager
-
-    class Scripted(LM):
-        def generate_until(self, requests, disable_tqdm: bool = False):
-            return ["2" for _ in requests]
-
-        def loglikelihood(self, requests, disable_tqdm: bool = False):
-            raise NotImplementedError
-
-        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
-            raise NotImplementedError
 
     folder = _task_folder(tmp_path)
     gen = yaml.safe_load((folder / "tiny_gen.yaml").read_text())
@@ -424,7 +411,10 @@ def test_a_corpus_metrics_items_are_not_read_as_its_noise(tmp_path: Path) -> Non
     (folder / "tiny_bleu.yaml").write_text(yaml.safe_dump(gen))
     (task,) = get_tasks(["tiny_bleu"], include_path=folder)
     out = lm_eval.simple_evaluate(
-        model=Scripted(), tasks=[lm_eval_config(task, DATA_DIR)], task_manager=config_task_manager(), log_samples=True
+        model=scripted_lm(generate=lambda r: "2"),
+        tasks=[lm_eval_config(task, DATA_DIR)],
+        task_manager=config_task_manager(),
+        log_samples=True,
     )
     assert [s["bleu"] for s in out["samples"]["tiny_bleu"]][0] == ["2", "2"]
     assert _items(out["samples"]["tiny_bleu"], out["results"]["tiny_bleu"]) == {}
@@ -515,22 +505,12 @@ def _outside_group_run(folder: Path, out: Path, lost: set[str]) -> None:
     """lm-eval's own run of the group `halves` and its files, as `lm_eval --output_path --log_samples` writes
     them, by a model that prefers each item's real next word, except in the contexts `lost`."""
     import lm_eval
-    from lm_eval.api.model import LM
     from lm_eval.loggers import EvaluationTracker
     from lm_eval.tasks import TaskManager
 
-    class Scripted(LM):
-        def loglikelihood(self, requests, disable_tqdm: bool = False):
-            return [(-1.0 if (c.strip() == "qxzvj") == (q in lost) else -2.0, False) for q, c in (r.args for r in requests)]
-
-        def generate_until(self, requests, disable_tqdm: bool = False):
-            raise NotImplementedError
-
-        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
-            raise NotImplementedError
-
     manager = TaskManager(include_defaults=False, include_path=str(folder))
-    results = lm_eval.simple_evaluate(model=Scripted(), tasks=["halves"], task_manager=manager, log_samples=True)
+    model = scripted_lm(loglikelihood=lambda r: -1.0 if (r.args[1].strip() == "qxzvj") == (r.args[0] in lost) else -2.0)
+    results = lm_eval.simple_evaluate(model=model, tasks=["halves"], task_manager=manager, log_samples=True)
     samples = results.pop("samples")
     tracker = EvaluationTracker(output_path=str(out))
     tracker.save_results_aggregated(results=results, samples=samples)
