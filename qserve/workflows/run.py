@@ -74,7 +74,8 @@ def evaluate_until_decided(
         raise QserveError("--until-decided takes each task's seeded order from its first document; it cannot start at --offset")
     from qserve.gate.records import resolve_checkpoint
 
-    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else resolve_checkpoint(checkpoint)
+    # Opened once: its files are verified here, not again by every round.
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(resolve_checkpoint(checkpoint))
     earlier, whole = None, False
     recorded = _recorded_rounds(ckpt, options)
     for n in rounds(first, options.limit):
