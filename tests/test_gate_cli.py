@@ -375,8 +375,8 @@ def test_eval_and_gate_decide_alike_on_the_same_outputs(tmp_path: Path) -> None:
             items[task] = {metric: stats.item_values([json.loads(line) for line in lines], metric)}
         return EngineRun(json.loads(_results(run).read_text()), items)
 
-    words = {"ppl_task": dict(enumerate(w.tolist()))}  # qserve eval counts them from the task's texts
-    from_eval = decide_gates(specs, metrics, engine_run(b), engine_run(q), looks.level(1), words=words)
+    counts = {"ppl_task": {"word_perplexity": dict(enumerate(w.tolist()))}}  # qserve eval counts them from the task's texts
+    from_eval = decide_gates(specs, metrics, engine_run(b), engine_run(q), looks.level(1), counts=counts)
     assert [asdict(g) for g in from_eval] == from_gate
     assert [g["status"] for g in from_gate] == ["pass", "pass", "pass"]
 

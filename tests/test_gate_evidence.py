@@ -56,8 +56,21 @@ def test_perplexity_criteria_are_the_allowed_rise() -> None:
     specs = hypotheses(GateSpec(min_recovery=0.95, max_increase=0.05), "word_perplexity,none", False)
     assert specs["min_recovery"][0] == Spec("perplexity", 1 / 0.95 - 1)  # baseline / quantized >= 0.95
     assert specs["max_increase"][0] == Spec("perplexity", 0.05)
-    with pytest.raises(ValueError, match="max_drop on word_perplexity is in perplexity points of the measured baseline"):
+    with pytest.raises(ValueError, match="max_drop on word_perplexity is in units of the measured baseline"):
         hypotheses(GateSpec(max_drop=0.5), "word_perplexity,none", False)
+
+
+def test_byte_perplexity_and_bits_per_byte_are_bets_by_bytes() -> None:
+    """byte_perplexity's criteria are word perplexity's, per byte. bits_per_byte is log2 of byte
+    perplexity: a max_drop of 0.1 bits per byte is a loss rise of 0.1 ln 2 nats per byte, exactly; its
+    min_recovery and max_increase are shares of the baseline's bits, and are not bet on."""
+    ((byte_spec, _),) = hypotheses(GateSpec(max_increase=0.05), "byte_perplexity,none", False).values()
+    assert byte_spec == Spec("perplexity", 0.05, unit="byte")
+    ((bits, _),) = hypotheses(GateSpec(max_drop=0.1), "bits_per_byte,none", False).values()
+    assert bits.unit == "byte" and bits.bet_range() == pytest.approx((-math.log(2), math.log(2), 0.1 * math.log(2)), rel=1e-12)
+    for spec in (GateSpec(min_recovery=0.95), GateSpec(max_drop=0.1, max_increase=0.05)):
+        with pytest.raises(ValueError, match="on bits_per_byte is in units of the measured baseline"):
+            hypotheses(spec, "bits_per_byte,none", False)
 
 
 @pytest.mark.parametrize(("rise", "status"), [(0.01, "pass"), (0.12, "fail")])
@@ -91,7 +104,7 @@ def test_scores_outside_the_declared_range_are_refused() -> None:
     with pytest.raises(ValueError, match=r"f1,none: the quantized's per-item value for document 3 is 1.5, outside \[0, 1\]"):
         decide_gate(base, quant, GateSpec(max_drop=0.04), "f1,none", True, Population.in_order(ORDER))
     with pytest.raises(ValueError, match="betting takes per-item scores in"):
-        hypotheses(GateSpec(max_drop=0.1), "bits_per_byte,none", False)
+        hypotheses(GateSpec(max_drop=0.1), "brier_score,none", False)
 
 
 def test_a_prefix_of_the_seeded_order_claims_the_task_and_other_windows_only_their_items() -> None:
@@ -137,7 +150,8 @@ def test_word_perplexity_bets_on_the_size_biased_order_and_names_a_document_past
     quant = {i: list(v) for i, v in base.items()}
     assert bettable(GateSpec(min_recovery=0.95), "word_perplexity,none", False, base, quant, words)
     assert not bettable(GateSpec(min_recovery=0.95), "word_perplexity,none", False, base, quant, None)
-    assert not bettable(GateSpec(min_recovery=0.95), "byte_perplexity,none", False, base, quant, words)
+    assert bettable(GateSpec(min_recovery=0.95), "byte_perplexity,none", False, base, quant, words)  # the counts as bytes
+    assert not bettable(GateSpec(min_recovery=0.95), "bits_per_byte,none", False, base, quant, words)  # a share of its bits
     assert not bettable(GateSpec(max_increase=1.0), "word_perplexity,none", False, base, quant, words)  # log 2: the cap
     same = decide_gate(base, quant, GateSpec(min_recovery=0.95), "word_perplexity,none", False, first.population)
     assert same.status == "pass" and same.criteria["min_recovery"].items < 150, same.reason
@@ -157,8 +171,15 @@ def test_a_recipe_may_declare_the_cap_and_a_cap_that_could_never_fail_is_refused
     assert {c: s.cap for c, (s, _) in found.items()} == {"min_recovery": 0.405, "max_increase": 0.405}
     assert {c: s.bet_range()[:2] for c, (s, _) in found.items()} == {c: (-0.405, 0.405) for c in found}
     check_allowance("gsm8k_ppl", spec, "word_perplexity,none")
-    with pytest.raises(InvalidSpec, match="cap bounds word_perplexity's per-document loss change, not acc"):
+    with pytest.raises(
+        InvalidSpec,
+        match=r"cap bounds a corpus perplexity's per-document loss change \(word_perplexity, byte_perplexity, bits_per_byte\), not acc",
+    ):
         check_allowance("arc", GateSpec(min_recovery=0.95, cap=0.4), "acc,none")
+    with pytest.raises(  # 0.1 bits per byte: log(1 + 2^0.1 - 1) = 0.1 ln 2 = 0.06931 nats per byte
+        InvalidSpec, match=r"cap 0\.06 nats per byte is at or below the allowed rise's log\(1 \+ 0\.07177\) = 0\.06931"
+    ):
+        check_allowance("wikitext", GateSpec(max_drop=0.1, cap=0.06), "bits_per_byte,none")
     with pytest.raises(
         InvalidSpec, match=r"cap 0\.05 nats per word is at or below the allowed rise's log\(1 \+ 0\.05263\) = 0\.05129"
     ):

@@ -49,9 +49,11 @@ def test_a_word_perplexity_task_takes_its_documents_size_biased_by_words() -> No
     small, large, held_out = (Window.select(n, k, [config]) for n, k in ((50, 0), (100, 0), (100, 100)))
     assert small.ids == {PPL: tuple(sorted(order[:50]))} and large.ids == {PPL: tuple(sorted(order[:100]))}
     assert held_out.ids == {PPL: tuple(sorted(order[100:200]))}
-    assert large.words == {PPL: dict(enumerate(words))} and large.sizes == {PPL: 1319}
+    assert large.counts[PPL]["word_perplexity"] == dict(enumerate(words)) and large.sizes == {PPL: 1319}
     assert sum(words[i] for i in order[:100]) / 100 > 1.1 * sum(words) / len(words)
-    assert Window.select(None, 0, [config]).words == {PPL: dict(enumerate(words))}  # the gate's weights, unlimited
+    assert Window.select(None, 0, [config]).counts[PPL]["word_perplexity"] == dict(
+        enumerate(words)
+    )  # the gate's weights, unlimited
 
 
 def test_a_window_that_skipped_selection_is_refused() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -62,9 +63,14 @@ def _checkpoint(root: Path) -> Path:
     return ckpt
 
 
-def scripted_lm(generate: Callable[[Any], str] | None = None, loglikelihood: Callable[[Any], float] | None = None) -> Any:
+def scripted_lm(
+    generate: Callable[[Any], str] | None = None,
+    loglikelihood: Callable[[Any], float] | None = None,
+    rolling: Callable[[Any], float] | None = None,
+) -> Any:
     """An lm-eval model that answers each request by a rule: `generate(request)` for generate_until,
-    `loglikelihood(request)` (the log-likelihood; never greedy) for loglikelihood; the rest it refuses."""
+    `loglikelihood(request)` (the log-likelihood; never greedy) for loglikelihood, `rolling(request)` for
+    loglikelihood_rolling; the rest it refuses."""
     from lm_eval.api.model import LM
 
     class Scripted(LM):
@@ -79,7 +85,9 @@ def scripted_lm(generate: Callable[[Any], str] | None = None, loglikelihood: Cal
             return [(loglikelihood(r), False) for r in requests]
 
         def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
-            raise NotImplementedError
+            if rolling is None:
+                raise NotImplementedError
+            return [rolling(r) for r in requests]
 
     return Scripted()
 
@@ -395,6 +403,95 @@ def test_lambadas_perplexity_is_gated_on_its_own_scale(tmp_path: Path) -> None:
     assert passed.status == "pass" and passed.reason.startswith(f"{rise:+.2%} vs allowed +5.00%, clear of noise")
 
 
+WIKI_PAGES = 500  # documents of the wikitext copy below
+
+
+def hub_copy_of_wikitext(root: Path) -> list[str]:
+    """EleutherAI/wikitext_document_level (config wikitext-2-raw-v1) in the hub's layout, its pages GSM8K's
+    test problems written as wikitext's raw pages are (a title, " , " and " @-@ " tokens, which lm-eval's
+    wikitext detokenizes before scoring). Returns the pages."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    config = "wikitext-2-raw-v1"
+    repo = root / "EleutherAI" / "wikitext_document_level"
+    (repo / config).mkdir(parents=True)
+    rows = [json.loads(line) for line in (DATA_DIR / "gsm8k" / "test.jsonl").read_text().splitlines()][:WIKI_PAGES]
+    pages = [f" = Problem {i} = \n {r['question'].replace(',', ' , ').replace('-', ' @-@ ')} \n" for i, r in enumerate(rows)]
+    for split in ("train", "validation", "test"):
+        pq.write_table(pa.Table.from_pylist([{"page": p} for p in pages]), repo / config / f"{split}-00000-of-00001.parquet")
+    files = "".join(f"  - split: {split}\n    path: {config}/{split}-*\n" for split in ("train", "validation", "test"))
+    (repo / "README.md").write_text(f"---\nconfigs:\n- config_name: {config}\n  data_files:\n{files}---\n# local copy\n")
+    return pages
+
+
+def test_wikitexts_three_perplexities_are_bets_by_the_words_and_bytes_lm_eval_counts(tmp_path: Path) -> None:
+    """lm-eval's registered wikitext counts each page's words and bytes before detokenizing it, not in the
+    text it scores: qserve counts them with the task's own process_results, so its bets weigh each
+    document as lm-eval's score does. (Counted from the scored text, as before, every page's words
+    differed from lm-eval's and the word-perplexity gate stopped on a ValueError.) A model whose loss
+    rises by 0.01 nats per raw word passes a 5 % rise of word perplexity (e^0.01 - 1 = 1.005 %), and
+    by 0.1 nats fails it (10.5 %); byte perplexity and bits per byte are judged by bytes the same way,
+    their rises computed here from the pages."""
+    import re
+
+    import lm_eval
+
+    from qserve.evaluate.lm_eval_run import EngineRun, Window, _items
+    from qserve.evaluate.tasks import config_task_manager
+    from qserve.gate.core import decide_gates
+    from qserve.spec.gates import GateSpec
+
+    pages = hub_copy_of_wikitext(tmp_path / "datasets")
+    words = [len(re.split(r"\s+", p)) for p in pages]
+    size = [len(p.encode()) for p in pages]
+    (task,) = get_tasks(["wikitext"], datasets=tmp_path / "datasets")
+    config = lm_eval_config(task, DATA_DIR, tmp_path / "datasets")
+    counts = Window.select(None, 0, [config]).counts
+    bytes_ = {i: float(b) for i, b in enumerate(size)}
+    assert counts == {
+        "wikitext": {
+            "word_perplexity": {i: float(w) for i, w in enumerate(words)},
+            "byte_perplexity": bytes_,
+            "bits_per_byte": bytes_,
+        }
+    }
+
+    def run(per_word: float) -> EngineRun:
+        out = lm_eval.simple_evaluate(
+            model=scripted_lm(rolling=lambda r: -(2.0 + per_word) * words[r.doc_id]),
+            tasks=[config],
+            task_manager=config_task_manager(),
+            log_samples=True,
+        )
+        return EngineRun(
+            {k: out[k] for k in ("results", "higher_is_better")},
+            {"wikitext": _items(out["samples"]["wikitext"], out["results"]["wikitext"])},
+        )
+
+    base, close, worse = run(0.0), run(0.01), run(0.1)
+    share = sum(words) / sum(size)  # words per byte over the corpus
+    specs = {
+        "wikitext": [
+            GateSpec(metric="word_perplexity,none", max_increase=0.05),
+            GateSpec(metric="byte_perplexity,none", max_increase=0.01),
+            GateSpec(metric="bits_per_byte,none", max_drop=0.01),
+        ]
+    }
+    headline = {"wikitext": "word_perplexity,none"}
+    for quant, per_word, expected in ((close, 0.01, "pass"), (worse, 0.1, "fail")):
+        gates = decide_gates(specs, headline, base, quant, 0.05, None, None, counts)
+        rises = (math.exp(per_word) - 1, math.exp(per_word * share) - 1, per_word * share / math.log(2))
+        assert rises[1] < 0.01 if expected == "pass" else rises[1] > 0.01
+        assert rises[2] < 0.01 if expected == "pass" else rises[2] > 0.01
+        assert [g.status for g in gates] == [expected] * 3, [g.reason for g in gates]
+        assert [g.test.startswith("betting without replacement") for g in gates] == [True] * 3
+        assert "size-biased by words, on each document's loss change per word" in gates[0].test
+        assert ["size-biased by bytes, on each document's loss change per byte" in g.test for g in gates[1:]] == [True] * 2
+        bits = quant.raw["results"]["wikitext"]["bits_per_byte,none"] - base.raw["results"]["wikitext"]["bits_per_byte,none"]
+        assert bits == pytest.approx(rises[2], rel=1e-9)  # lm-eval's own scores, by the counts above
+
+
 def test_a_corpus_metrics_items_are_not_read_as_its_noise(tmp_path: Path) -> None:
     """BLEU logs a (reference, prediction) pair per item and states a corpus score: qserve keeps no per-item
     values for it, as they do not give the score. It used to read numeric texts as two values per item (and
@@ -431,6 +528,31 @@ def test_a_registered_task_reads_its_local_copy(tmp_path: Path) -> None:
     docs = list(ConfigurableTask(config=cfg).test_docs())
     first = json.loads((DATA_DIR / "gsm8k" / "test.jsonl").read_text().splitlines()[0])
     assert len(docs) == 1319 and docs[0] == first
+
+
+def test_each_local_copy_is_read_for_its_own_content(tmp_path: Path) -> None:
+    """datasets caches a hub-layout folder by its name and layout, not its content: a second copy of the
+    same dataset elsewhere, or a newer one written over the first, used to be read from the first's
+    cache (huggingface/datasets#2956). qserve gives each content its own cache, so lm-eval reads the
+    passages the record's file hashes name."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from lm_eval.api.task import ConfigurableTask
+
+    def first_passage(root: Path) -> str:
+        (task,) = get_tasks(["lambada_openai"], datasets=root)
+        return ConfigurableTask(config=lm_eval_config(task, DATA_DIR, root)).eval_docs[0]["text"]
+
+    def rewrite(repo: Path, text: str) -> None:
+        pq.write_table(pa.Table.from_pylist([{"text": text}]), repo / "default" / "test-00000-of-00001.parquet")
+
+    questions = [json.loads(line)["question"] for line in (DATA_DIR / "gsm8k" / "test.jsonl").read_text().splitlines()]
+    one, two = hub_copy_of_lambada(tmp_path / "one"), hub_copy_of_lambada(tmp_path / "two")
+    rewrite(two, "A second copy ends with another word")
+    assert first_passage(tmp_path / "one") == questions[0]
+    assert first_passage(tmp_path / "two") == "A second copy ends with another word"
+    rewrite(one, "A newer copy in the same folder")
+    assert first_passage(tmp_path / "one") == "A newer copy in the same folder"
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import pytest
 from conftest import DATA_DIR, gsm8k_ppl_words
 
 from qserve.errors import QserveError
-from qserve.evaluate.tasks import get_tasks, lm_eval_config, reports_word_perplexity, task_words
+from qserve.evaluate.tasks import get_tasks, lm_eval_config, task_counts
 
 ARC = [
     ("Which gas do plants take in from the air?", ["oxygen", "carbon dioxide", "helium", "neon"], "B"),
@@ -47,14 +47,17 @@ def test_gsm8k_multiple_choice_distractors() -> None:
     assert task.doc_to_target(doc) == 0
 
 
-def test_a_word_perplexity_task_weighs_its_documents_by_the_words_lm_eval_counts() -> None:
-    """gsm8k_ppl scores "Question: ...\nAnswer: ..." per test document; its words, counted here from the
-    jsonl as lm-eval's count_words does (whitespace runs), weight its order. gsm8k reports no perplexity."""
+def test_a_perplexity_task_weighs_its_documents_by_the_words_and_bytes_lm_eval_counts() -> None:
+    """gsm8k_ppl scores "Question: ...\nAnswer: ..." per test document; its words (counted here from the
+    jsonl as lm-eval's count_words does: whitespace runs) and UTF-8 bytes weight its three perplexities'
+    bets. gsm8k reports no perplexity."""
     words = gsm8k_ppl_words()
-    ppl = lm_eval_config(get_tasks(["gsm8k_ppl"])[0], DATA_DIR)
-    assert reports_word_perplexity(ppl)
-    assert task_words(ppl) == dict(enumerate(words)) and len(words) == 1319
-    assert not reports_word_perplexity(lm_eval_config(get_tasks(["gsm8k"])[0], DATA_DIR))
+    rows = [json.loads(line) for line in (DATA_DIR / "gsm8k" / "test.jsonl").read_text().splitlines()]
+    size = {i: float(len(f"Question: {r['question']}\nAnswer: {r['answer']}".encode())) for i, r in enumerate(rows)}
+    counts = task_counts(lm_eval_config(get_tasks(["gsm8k_ppl"])[0], DATA_DIR))
+    assert counts == {"word_perplexity": dict(enumerate(words)), "byte_perplexity": size, "bits_per_byte": size}
+    assert len(words) == 1319 and max(size.values()) > 2 * max(words)  # bytes, not words
+    assert task_counts(lm_eval_config(get_tasks(["gsm8k"])[0], DATA_DIR)) == {}
 
 
 def test_missing_task_data_is_one_clear_error(tmp_path: Path) -> None:

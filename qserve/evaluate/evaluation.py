@@ -151,7 +151,7 @@ def evaluate_round(
         baselines.check_sane(plan.manifest.source_model["id"], task.name, task.metric, base.score(task.name, task.metric)[0])
     look = _look(plan, options)
     decided = decide_gates(
-        plan.specs, {t.name: t.metric for t in plan.tasks}, base, quant, look["level"], plan.groups, window.sizes, window.words
+        plan.specs, {t.name: t.metric for t in plan.tasks}, base, quant, look["level"], plan.groups, window.sizes, window.counts
     )
     final = verdict(decided)
     if "fail" in (parity_result["status"], extra["kv_cache"]["status"]):

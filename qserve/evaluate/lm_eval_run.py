@@ -15,9 +15,9 @@ from qserve.device import detect
 from qserve.engines import vllm as engine
 from qserve.errors import QserveError
 from qserve.evaluate import fallback
-from qserve.evaluate.tasks import config_task_manager, reports_word_perplexity, task_size, task_words
+from qserve.evaluate.tasks import config_task_manager, task_counts, task_size
 from qserve.gate import core, stats
-from qserve.gate.order import ORDER, item_order, weighted_order
+from qserve.gate.order import ORDER, WORDS, item_order, weighted_order
 from qserve.gate.stats import ItemValues
 from qserve.progress import step
 from qserve.spec.lm_eval_args import LmEvalArgs
@@ -62,19 +62,21 @@ class Window:
     offset: int = 0
     ids: dict[str, tuple[int, ...]] | None = None  # task -> lm-eval doc ids scored, when limited
     sizes: dict[str, int] | None = None  # task -> its documents, when limited (the population the gate bets on)
-    # task -> doc id -> words, for tasks reporting word perplexity: their order is size-biased by them
-    words: dict[str, dict[int, float]] | None = None
+    # task -> corpus perplexity -> doc id -> its words or bytes (tasks.task_counts): the weights its gate
+    # bets by; a task reporting word perplexity takes its order size-biased by the words
+    counts: dict[str, dict[str, dict[int, float]]] | None = None
 
     @classmethod
     def select(cls, limit: int | None, offset: int, configs: list[dict[str, Any]]) -> Window:
         """The window over these complete task configs; a limit counts each task's documents first."""
-        words = {c["task"]: task_words(c) for c in configs if reports_word_perplexity(c)}
+        counts = {c["task"]: found for c in configs if (found := task_counts(c))}
         if limit is None:
-            return cls(None, offset, words=words)
+            return cls(None, offset, counts=counts)
+        words = {t: by_metric[WORDS] for t, by_metric in counts.items() if WORDS in by_metric}
         sizes = {c["task"]: len(words[c["task"]]) if c["task"] in words else task_size(c) for c in configs}
         orders = {t: weighted_order(t, words[t]) if t in words else item_order(t, n) for t, n in sizes.items()}
         ids = {task: tuple(sorted(order[offset : offset + limit])) for task, order in orders.items()}
-        return cls(limit, offset, ids, sizes, words)
+        return cls(limit, offset, ids, sizes, counts)
 
     def key(self) -> str | None:
         """For the baseline cache: which items, by rule and range (None: every document)."""

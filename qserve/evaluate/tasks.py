@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from qserve import paths
 from qserve.errors import QserveError
 from qserve.gate.core import Group
+from qserve.gate.stats import WEIGHTED
 from qserve.paths import project_data
 from qserve.progress import info
 
@@ -313,6 +315,9 @@ def _registered_config(task: LmEvalTask, datasets: Path | None) -> dict[str, Any
     copy = datasets / repo if datasets is not None else None
     if copy is not None and copy.is_dir():
         cfg["dataset_path"] = str(copy)  # datasets.load_dataset reads a hub repo's layout from a folder
+        # datasets keys its cache of such a folder by name and layout, not content (huggingface/datasets#2956,
+        # #6465): another copy, or a newer one in its place, would be read from the first's cache.
+        cfg["dataset_kwargs"] = {**(cfg.get("dataset_kwargs") or {}), "cache_dir": str(copy_cache(copy))}
         return cfg
     _check_reachable(task.name, repo, cfg.get("dataset_name"), datasets)
     return cfg
@@ -380,6 +385,12 @@ def copy_files(folder: Path) -> dict[str, str]:
     return {p.relative_to(folder).as_posix(): sha256_file(p) for p in files}
 
 
+def copy_cache(folder: Path) -> Path:
+    """Where datasets caches a local copy: a folder per content (copy_files' digest) in qserve's cache."""
+    digest = hashlib.sha256(json.dumps(copy_files(folder), sort_keys=True).encode()).hexdigest()
+    return paths.cache_dir() / "datasets" / digest[:16]
+
+
 def dataset_copies(tasks: list[Task], configs: dict[str, dict]) -> dict[str, dict[str, Any]]:
     """For the record: each registered task that read a local copy, its hub dataset, folder and files."""
     out = {}
@@ -405,20 +416,22 @@ def task_size(config: dict[str, Any]) -> int:
     return len(_eval_docs(config))
 
 
-def reports_word_perplexity(config: dict[str, Any]) -> bool:
-    """Whether a task (a complete `lm_eval_config`) reports word perplexity: a rolling log-likelihood task
-    whose metric list names it, or names nothing (lm-eval then reports all three perplexities)."""
-    metrics = {m.get("metric") for m in config.get("metric_list") or []}
-    return config.get("output_type") == "loglikelihood_rolling" and (not metrics or "word_perplexity" in metrics)
-
-
-def task_words(config: dict[str, Any]) -> dict[int, float]:
-    """Each document's words as lm-eval counts them for word perplexity (its `count_words` of the
-    target), by lm-eval's doc id: read from the texts, before any model runs."""
+def task_counts(config: dict[str, Any]) -> dict[str, dict[int, float]]:
+    """Each document's words or bytes by the corpus perplexities a rolling log-likelihood task reports
+    (word_perplexity: words; byte_perplexity, bits_per_byte: bytes), by lm-eval's doc id, before any
+    model runs. Counted by the task's own process_results on a log-likelihood of 0, so a task that counts
+    its own way (lm-eval's wikitext counts the page before detokenizing it) is counted as lm-eval will."""
+    if config.get("output_type") != "loglikelihood_rolling":
+        return {}
     from lm_eval.api.task import ConfigurableTask
 
     task = ConfigurableTask(config=config)
-    return {i: float(task.count_words(task.doc_to_target(doc))) for i, doc in enumerate(_eval_docs(config, task))}
+    out: dict[str, dict[int, float]] = {}
+    for i, doc in enumerate(_eval_docs(config, task)):
+        for metric, value in task.process_results(doc, [0.0]).items():
+            if metric in WEIGHTED and isinstance(value, (tuple, list)) and len(value) == 2:
+                out.setdefault(metric, {})[i] = float(value[1])
+    return out
 
 
 def _eval_docs(config: dict[str, Any], task: Any = None) -> list[Any]:

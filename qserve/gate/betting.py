@@ -59,7 +59,8 @@ Kinds of items (Spec):
   range, and the truncation, not the Kelly bet, would set the bet (about longest / mean length times
   the items). The default cap, log 2, says a quantized model that doubles (or halves) a document's
   perplexity is broken on that document whatever the corpus says: a scored document beyond the cap
-  fails the gate, naming it, before any bet.
+  fails the gate, naming it, before any bet. Byte perplexity and bits per byte are the same bet by
+  bytes (`unit`), a bits-per-byte allowance of b bits a rise of 2^b - 1.
 
 Without replacement (`wor_paths`): a finite test set's items in the uniformly random order `--limit`
 takes them (gate/order.item_order), each once, bet against the mean the remaining items
@@ -108,11 +109,14 @@ class Spec:
     allowance: float
     higher_is_better: bool = True  # binary and mean: which way the score is better
     bounds: tuple[float, float] | None = None  # mean: the declared range of a per-item degradation
-    cap: float = DEFAULT_CAP  # perplexity: the largest |loss change| per word a document may show
+    cap: float = DEFAULT_CAP  # perplexity: the largest |loss change| per unit a document may show
+    unit: str = "word"  # perplexity: what its log-likelihoods are divided by ("word" or "byte")
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"a betting spec's kind is one of {', '.join(KINDS)}, not {self.kind!r}")
+        if self.unit not in ("word", "byte"):
+            raise ValueError(f"a perplexity's unit is word or byte, not {self.unit!r}")
         lo, hi, delta = self.bet_range()
         if not lo < delta < hi:
             raise ValueError(f"the allowance must lie inside the degradation's range [{lo:g}, {hi:g}]")
@@ -128,6 +132,12 @@ class Spec:
         if self.allowance <= 0:
             raise ValueError(f"a perplexity allowance is a relative rise above 0, not {self.allowance}")
         return -float(self.cap), float(self.cap), math.log1p(self.allowance)
+
+    def as_dict(self) -> dict[str, Any]:
+        """As Evidence keeps it: the unit only when it is not words, so evidence gathered before bytes
+        were bet on continues."""
+        out = json.loads(json.dumps(asdict(self)))
+        return out if self.unit != "word" else {k: v for k, v in out.items() if k != "unit"}
 
 
 @dataclass(frozen=True)
@@ -445,7 +455,7 @@ def _start(spec: Spec, population: Population, evidence: Evidence | None, alpha:
     """The evidence to continue, checked against this call's spec, population, level and seed."""
     if not 0 < alpha < 1:
         raise ValueError(f"alpha lies in (0, 1), not {alpha}")
-    spec_dict = json.loads(json.dumps(asdict(spec)))  # as it reads back from JSON
+    spec_dict = spec.as_dict()
     if evidence is None:
         return Evidence(seed=0 if seed is None else int(seed), alpha=alpha, spec=spec_dict, population=population.digest)
     # A level, spec, population or order chosen after seeing the wealth would be a choice among tests.
@@ -467,7 +477,7 @@ def _degradations(spec: Spec, population: Population, scored: dict[str, tuple]) 
     values, outside = {}, []
     for doc, (b, q) in scored.items():
         if spec.kind == "perplexity":
-            value = _per_word_change(b, q, population.weights[doc])
+            value = _per_unit_change(b, q, population.weights[doc], spec.unit)
         else:
             if spec.kind == "binary" and not {float(b), float(q)} <= {0.0, 1.0}:
                 raise ValueError(f"a binary spec takes 0/1 scores, not {b!r} and {q!r}")
@@ -479,21 +489,19 @@ def _degradations(spec: Spec, population: Population, scored: dict[str, tuple]) 
     return values, sorted(outside)
 
 
-def _per_word_change(base: list, quant: list, words: float) -> float:
-    """A document's loss change per word (quantized minus baseline), from lm-eval's [loglikelihood, words]."""
-    (ll_base, words_base), (ll_quant, words_quant) = base, quant
-    if not words_base == words_quant == words:
+def _per_unit_change(base: list, quant: list, count: float, unit: str) -> float:
+    """A document's loss change per word or byte (quantized minus baseline), from lm-eval's [loglikelihood, count]."""
+    (ll_base, count_base), (ll_quant, count_quant) = base, quant
+    if not count_base == count_quant == count:
         raise ValueError(
-            f"a document's words must be the population's ({words:g}) for both models, not {words_base} and {words_quant}"
+            f"a document's {unit}s must be the population's ({count:g}) for both models, not {count_base} and {count_quant}"
         )
-    return (float(ll_base) - float(ll_quant)) / words  # the loss is minus the log-likelihood
+    return (float(ll_base) - float(ll_quant)) / count  # the loss is minus the log-likelihood
 
 
 def _outside_why(spec: Spec) -> str:
     if spec.kind == "perplexity":
-        return (
-            f"the loss changed by more than the cap of {spec.cap:.3g} nats per word (or is not finite): the model is broken on it"
-        )
+        return f"the loss changed by more than the cap of {spec.cap:.3g} nats per {spec.unit} (or is not finite): the model is broken on it"
     lo, hi, _ = spec.bet_range()
     return f"the degradation lies outside the declared range [{lo:g}, {hi:g}] (or is not finite): the test cannot bet on it"
 

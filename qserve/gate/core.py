@@ -120,10 +120,11 @@ def decide_gates(
     level: float,
     groups: dict[str, Group] | None = None,
     sizes: dict[str, int] | None = None,
-    words: dict[str, dict[int, float]] | None = None,
+    counts: dict[str, dict[str, dict[int, float]]] | None = None,
 ) -> list[Gate]:
     """Each task's (or group's) gates; a spec without a metric gates the headline. Scores in [0, 1], and
-    word perplexity on a task whose documents' `words` are given (its order is size-biased by them), are
+    corpus perplexities on a task whose documents' `counts` are given (task -> metric -> doc id -> words
+    or bytes, as lm-eval counts them: its order is size-biased by them), are
     decided by betting (evidence.py) on the items in the task's seeded order (`sizes`: each task's
     documents, where fewer were scored): at 5 % over every look when each look takes a prefix of that
     order, else at `level`; the rest by stats.py's bounds at one-sided `level`."""
@@ -146,11 +147,11 @@ def decide_gates(
             better = base.higher_is_better(task, metric)
             cmp = stats.compare(metric, better, b, q, level)
             headline = metric == headlines[task]
-            by_words = (words or {}).get(task) if evidence.by_words(metric) else None
-            if cmp.non_finite or not evidence.bettable(spec, metric, better, b[2], q[2], by_words):
+            weights = (counts or {}).get(task, {}).get(metric.partition(",")[0]) if evidence.counted(metric) else None
+            if cmp.non_finite or not evidence.bettable(spec, metric, better, b[2], q[2], weights):
                 decided.append(decide(task, spec, cmp, headline=headline))
                 continue
-            items = evidence.ordered(task, sorted(b[2]), _size(task, groups, sizes), by_words)
+            items = evidence.ordered(task, sorted(b[2]), _size(task, groups, sizes), weights)
             alpha = evidence.ALPHA if items.free else level
             found = evidence.decide_gate(b[2], q[2], spec, metric, better, items.population, alpha=alpha)
             decided.append(decide_by_betting(task, spec, cmp, found, items, headline=headline))

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ConfigDict
 
 from qserve.errors import InvalidSpec
-from qserve.gate import paired_binary
+from qserve.gate import betting, paired_binary
 from qserve.spec.gates import GateSpec, allowed_degradation
 
 if TYPE_CHECKING:
@@ -183,8 +183,8 @@ def decide_by_betting(
         where = f"the task's {items.size} items after the first {items.after} of its order (a claim about them)"
     order = "the seeded order"
     if items.population.weighted:
-        cap = next(iter(found.criteria.values())).evidence.spec["cap"]
-        order = f"the seeded order size-biased by words, on each document's loss change per word (within ±{cap:.3g} nats)"
+        spec = betting.Spec(**next(iter(found.criteria.values())).evidence.spec)
+        order = f"the seeded order size-biased by {spec.unit}s, on each document's loss change per {spec.unit} (within ±{spec.cap:.3g} nats)"
     level = EVERY_LOOK if items.free else f"at {found.alpha:.2%}, this look's share of 5 %"
     status, needed = Status(found.status), None
     reason = (
@@ -225,8 +225,6 @@ def decide_by_betting(
 def _items_to_pass(cmp: Comparison, found: GateDecision, items: Ordered) -> int | None:
     """The items by which 4 in 5 simulated runs pass, each continuing the same bets on the task's items
     with the ones not yet scored drawn from those scored; None when fewer pass by the last item."""
-    from qserve.gate import betting
-
     needed = 0
     order = items.population.order or []
     for criterion, decision in found.criteria.items():

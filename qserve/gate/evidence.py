@@ -7,17 +7,18 @@ bets on, so no allowance rests on a measured baseline:
   `max_drop` a bets on b_i - q_i against a (0/1 scores: the binary spec); `min_recovery` r bets on
   r b_i - q_i against 0 in [-1, r], since mean q > r mean b is recovery above r, exactly. The items
   are taken without replacement in the task's seeded order (`Population.in_order`).
-- corpus perplexities (word_perplexity, byte_perplexity; lm-eval's per-document [loglikelihood,
-  count]): `min_recovery` r lets the corpus perplexity rise by 1/r - 1, `max_increase` a by a, on
-  size-biased draws (betting.py says why), each document's per-word loss change within the spec's
-  `cap` (default log 2). `max_drop` in perplexity points would rest on the measured baseline, and is
-  refused.
-Anything else (bits_per_byte, unbounded per-item scores) has no declared range yet and is refused.
+- corpus perplexities (word_perplexity by words, byte_perplexity and bits_per_byte by bytes; lm-eval's
+  per-document [loglikelihood, count]): `min_recovery` r lets the corpus perplexity rise by 1/r - 1,
+  `max_increase` a by a, and on bits_per_byte `max_drop` b bits per byte is a byte perplexity rise of
+  2^b - 1, exactly; on size-biased orders (betting.py says why), each document's loss change per word
+  (or byte) within the spec's `cap` (default log 2). A criterion that would rest on the measured
+  baseline (`max_drop` in perplexity points; bits_per_byte's `min_recovery` and `max_increase`, shares
+  of its baseline's bits) is refused.
+Anything else (unbounded per-item scores) has no declared range yet and is refused.
 `qserve eval` and `qserve gate` decide every gate `bettable` says yes to through `decide_gate`: scores
-in [0, 1], and word perplexity where the task's order is size-biased by words (`qserve eval`'s
---limit takes it so: gate/order.py; `qserve gate` on runs that scored every document). The rest (byte
-perplexity, word perplexity of runs made elsewhere on part of a task, bits_per_byte) keep stats.py's
-bounds.
+in [0, 1], and corpus perplexities with each document's count as lm-eval counts it (`qserve eval`
+counts them before any model runs, `qserve gate` reads them from runs that scored every document).
+The rest (runs made elsewhere on part of a task, the criteria refused above) keep stats.py's bounds.
 
 A spec with several criteria passes only when every one passes (an intersection-union test: each at
 alpha, so the pass keeps alpha), fails when any fails, and is inconclusive otherwise.
@@ -31,9 +32,7 @@ from typing import Any
 from qserve.gate import betting
 from qserve.gate.order import in_seeded_order, item_order, weighted_order
 from qserve.gate.spending import ALPHA
-from qserve.spec.gates import GateSpec
-
-PERPLEXITIES = ("word_perplexity", "byte_perplexity")
+from qserve.spec.gates import PERPLEXITY_UNITS, GateSpec, allowed_rises
 
 
 @dataclass(frozen=True)
@@ -53,18 +52,9 @@ class GateDecision:
 def hypotheses(gate: GateSpec, metric: str, higher_is_better: bool) -> dict[str, tuple[betting.Spec, float]]:
     """criterion -> (the spec bet on, the factor the baseline's per-item values are scaled by)."""
     name = metric.partition(",")[0]
+    if name in PERPLEXITY_UNITS:
+        return {c: (spec, 1.0) for c, spec in _corpus(gate, name).items()}
     out: dict[str, tuple[betting.Spec, float]] = {}
-    if name in PERPLEXITIES:
-        if gate.max_drop is not None:
-            raise ValueError(
-                f"max_drop on {name} is in perplexity points of the measured baseline; give max_increase (a share) or min_recovery"
-            )
-        cap = betting.DEFAULT_CAP if gate.cap is None else gate.cap
-        if gate.min_recovery is not None:
-            out["min_recovery"] = betting.Spec("perplexity", 1 / gate.min_recovery - 1, cap=cap), 1.0
-        if gate.max_increase is not None:
-            out["max_increase"] = betting.Spec("perplexity", gate.max_increase, cap=cap), 1.0
-        return out
     if not higher_is_better or gate.max_increase is not None:
         raise ValueError(f"{metric}: betting takes per-item scores in [0, 1] where higher is better, or a corpus perplexity")
     if gate.max_drop is not None:
@@ -72,6 +62,15 @@ def hypotheses(gate: GateSpec, metric: str, higher_is_better: bool) -> dict[str,
     if gate.min_recovery is not None:
         out["min_recovery"] = betting.Spec("mean", 0.0, bounds=(-1.0, gate.min_recovery)), gate.min_recovery
     return out
+
+
+def _corpus(gate: GateSpec, name: str) -> dict[str, betting.Spec]:
+    """A corpus perplexity's criteria as bets on allowed rises of its perplexity (spec.gates.allowed_rises)."""
+    rises = allowed_rises(gate, name)
+    if on_baseline := sorted(set(gate.criteria()) - set(rises)):
+        raise ValueError(f"{', '.join(on_baseline)} on {name} is in units of the measured baseline; no bet is declared before it")
+    cap = betting.DEFAULT_CAP if gate.cap is None else gate.cap
+    return {c: betting.Spec("perplexity", rise, cap=cap, unit=PERPLEXITY_UNITS[name]) for c, rise in rises.items()}
 
 
 def decide_gate(
@@ -86,10 +85,10 @@ def decide_gate(
     limit: int | None = None,
 ) -> GateDecision:
     """Decide one gate from the items both models scored. `population`: for scores, the task's doc ids
-    `in_order` (the seeded order --limit takes); for perplexities, doc id -> words (or bytes). `evidence`:
+    `in_order` (the seeded order --limit takes); for perplexities, size-biased by words (or bytes). `evidence`:
     an earlier GateDecision.evidence() of the same gate, metric and population."""
     tests = hypotheses(gate, metric, higher_is_better)
-    if metric.partition(",")[0] not in PERPLEXITIES:
+    if metric.partition(",")[0] not in PERPLEXITY_UNITS:
         _check_scores(metric, base, quant)
     if evidence is not None and set(evidence) != set(tests):
         raise ValueError(f"the evidence is of criteria {sorted(evidence)}, this gate's are {sorted(tests)}")
@@ -100,7 +99,7 @@ def decide_gate(
         decisions[criterion] = betting.decide(scaled, quant, spec, population, carried, alpha, limit=limit)
         if spec.kind != "perplexity":
             terms[criterion] = {str(k): float(v) - float(quant[k]) for k, v in scaled.items() if k in quant}
-        else:  # the loss change per word bet on (the item's [loglikelihood, words])
+        else:  # the loss change per word (or byte) bet on (the item's [loglikelihood, count])
             terms[criterion] = {str(k): (float(v[0]) - float(quant[k][0])) / float(v[1]) for k, v in base.items() if k in quant}
     reason = "; ".join(f"{c}: {d.reason}" for c, d in decisions.items())
     return GateDecision(_status(decisions), decisions, reason, alpha, terms or None)
@@ -122,9 +121,9 @@ def _check_scores(metric: str, base: dict[Any, Any], quant: dict[Any, Any]) -> N
             )
 
 
-def by_words(metric: str) -> bool:
-    """Whether a metric's gate bets on documents size-biased by their words (word perplexity)."""
-    return metric.partition(",")[0] == "word_perplexity"
+def counted(metric: str) -> bool:
+    """Whether a metric's gate bets on documents size-biased by their words or bytes (a corpus perplexity)."""
+    return metric.partition(",")[0] in PERPLEXITY_UNITS
 
 
 def bettable(
@@ -133,22 +132,22 @@ def bettable(
     higher_is_better: bool,
     base: dict[Any, Any] | None,
     quant: dict[Any, Any] | None,
-    words: dict[int, float] | None = None,
+    counts: dict[int, float] | None = None,
 ) -> bool:
     """Whether `decide_gate` decides this gate today: per-item scores in [0, 1], higher is better, no
-    max_increase; or word perplexity ([loglikelihood, words] per document) with the task's `words`, by
-    which its order is size-biased, no max_drop (perplexity points of the measured baseline) and an
-    allowance inside the cap."""
+    max_increase; or a corpus perplexity ([loglikelihood, count] per document) with every document's
+    `counts` (words or bytes), by which its order is size-biased, criteria that do not rest on the
+    measured baseline and an allowance inside the cap."""
     if not base or not quant:
         return False
-    if by_words(metric):
-        try:  # max_drop, or an allowance at or past the cap (no bet can fail it): stats.py's bound instead
+    if counted(metric):
+        try:  # a criterion on the measured baseline, or an allowance at or past the cap: stats.py's bound instead
             hypotheses(gate, metric, higher_is_better)
         except ValueError:
             return False
         pairs = list(base.values()) + list(quant.values())
-        return words is not None and all(isinstance(v, list) and len(v) == 2 for v in pairs)
-    if metric.partition(",")[0] in PERPLEXITIES or not higher_is_better or gate.max_increase is not None:
+        return counts is not None and all(isinstance(v, list) and len(v) == 2 for v in pairs)
+    if not higher_is_better or gate.max_increase is not None:
         return False
     values = list(base.values()) + list(quant.values())
     return all(isinstance(v, float) and 0.0 <= v <= 1.0 for v in values)
@@ -169,14 +168,14 @@ class Ordered:
     after: int = 0
 
 
-def ordered(task: str, scored: list[str], size: int | None, words: dict[int, float] | None = None) -> Ordered:
+def ordered(task: str, scored: list[str], size: int | None, counts: dict[int, float] | None = None) -> Ordered:
     """The population for `scored` doc ids of `task` with `size` documents: when they are the first items
     of the task's seeded order (what --limit takes), that whole order, a uniformly random order of the
     documents fixed before any score; otherwise (an --offset, file order, or an lm-eval group's pooled
-    `member/doc` keys) the scored items alone, in the seeded order. With `words` (every document's), the
-    order is size-biased by them (gate/order.weighted_order)."""
-    if words is not None:
-        return _by_words(task, scored, words)
+    `member/doc` keys) the scored items alone, in the seeded order. With `counts` (every document's words
+    or bytes), the order is size-biased by them (gate/order.weighted_order)."""
+    if counts is not None:
+        return _size_biased(task, scored, counts)
     if size is not None and all(i.isdigit() for i in scored):
         order = [str(i) for i in item_order(task, size)]
         if set(order[: len(scored)]) == set(scored):
@@ -186,12 +185,13 @@ def ordered(task: str, scored: list[str], size: int | None, words: dict[int, flo
     return Ordered(betting.Population.in_order(own), len(own), whole, whole)
 
 
-def _by_words(task: str, scored: list[str], words: dict[int, float]) -> Ordered:
-    """Word perplexity's population: the task's size-biased order from its first document when `scored`
-    is a prefix of it. An --offset block is the rest of that order after the documents before it (given
+def _size_biased(task: str, scored: list[str], counts: dict[int, float]) -> Ordered:
+    """A corpus perplexity's population: the task's order size-biased by `counts` from its first document
+    when `scored` is a prefix of it. An --offset block is the rest of that order after the documents before it (given
     those, the rest is a size-biased order of the remaining documents, as the race is memoryless), a
-    claim about them. Any other set (file order) is the scored documents alone, in the race's order."""
-    weights = {str(i): float(w) for i, w in words.items()}
+    claim about them. Any other set (file order, or a byte perplexity's documents that --limit took by
+    their words) is the scored documents alone, in the race's order."""
+    weights = {str(i): float(w) for i, w in counts.items()}
     order = [str(i) for i in weighted_order(task, weights)]
     place = {doc: k for k, doc in enumerate(order)}
     if unknown := sorted(set(scored) - set(place))[:5]:

@@ -25,7 +25,7 @@ from qserve.errors import QserveError
 from qserve.gate import evidence, looks, outside, stats
 from qserve.gate.core import Group, decide_gates, higher_is_better
 from qserve.gate.decisions import Gate, verdict
-from qserve.spec.gates import GateSpec, default_gate
+from qserve.spec.gates import PERPLEXITY_UNITS, GateSpec, default_gate
 
 
 def gate_runs(
@@ -62,8 +62,8 @@ def gate_runs(
     specs = {task: gates.get(task) or default_gate() for task in names}
     headlines = {task: base.headline(task) for task in names if task not in groups}
     sizes = _sizes(base, quant, leaves)
-    words = _words(specs, headlines, base, quant, sizes)
-    decided = decide_gates(specs, headlines, base, quant, looks.level(look), groups, sizes, words)
+    counts = _counts(specs, headlines, base, quant, sizes)
+    decided = decide_gates(specs, headlines, base, quant, looks.level(look), groups, sizes, counts)
     decided_at, final = datetime.now(UTC).isoformat(timespec="seconds"), verdict(decided)
     entry = scored | {"decided_at": decided_at, "verdict": final, "level": looks.level(look)}
     summary = {
@@ -104,18 +104,19 @@ def _sizes(base: _LmEvalRun, quant: _LmEvalRun, leaves: dict[str, list[str]]) ->
     return sizes
 
 
-def _words(
+def _counts(
     specs: dict[str, list[GateSpec]], headlines: dict[str, str], base: _LmEvalRun, quant: _LmEvalRun, sizes: dict[str, int]
-) -> dict[str, dict[int, float]]:
-    """Per task gated on word perplexity whose every document both runs scored: each document's words, as
-    lm-eval's [loglikelihood, words] pairs count them from the text. The gate then bets on the documents
-    in qserve's order size-biased by them (gate/order.py), fixed by the ids and the texts, never by a
-    score, so it is the order `qserve eval` would have taken, and the last document decides exactly.
-    Runs that scored fewer (lm-eval's --limit takes the first in file order) keep stats.py's bound."""
-    out: dict[str, dict[int, float]] = {}
+) -> dict[str, dict[str, dict[int, float]]]:
+    """Per task gated on a corpus perplexity whose every document both runs scored: each document's words
+    or bytes, as lm-eval's [loglikelihood, count] pairs count them from the text (task -> metric -> doc
+    id -> count). The gate then bets on the documents in qserve's order size-biased by them
+    (gate/order.py), fixed by the ids and the texts, never by a score, so it is the order `qserve eval`
+    would have taken, and the last document decides exactly. Runs that scored fewer (lm-eval's --limit
+    takes the first in file order) keep stats.py's bound."""
+    out: dict[str, dict[str, dict[int, float]]] = {}
     for task in headlines:
         metrics = {spec.metric or headlines[task] for spec in specs.get(task, [])}
-        for metric in (m for m in metrics if evidence.by_words(m)):
+        for metric in (m for m in metrics if evidence.counted(m)):
             items = base.score(task, metric)[2]
             pairs = list(items.values())
             every = bool(pairs) and sizes.get(task, len(pairs)) == len(pairs)
@@ -125,8 +126,9 @@ def _words(
             if set(other) != set(items):
                 continue  # decide_gates refuses runs on different items, naming the counts
             if differ := [k for k, v in items.items() if not isinstance(other.get(k), list) or other[k][1] != v[1]][:1]:
-                raise QserveError(f"{task}: the runs count different words for document {differ[0]}: they scored other texts")
-            out[task] = {int(k): float(v[1]) for k, v in items.items()}
+                unit = PERPLEXITY_UNITS[metric.partition(",")[0]]
+                raise QserveError(f"{task}: the runs count different {unit}s for document {differ[0]}: they scored other texts")
+            out.setdefault(task, {})[metric.partition(",")[0]] = {int(k): float(v[1]) for k, v in items.items()}
     return out
 
 

@@ -305,9 +305,9 @@ def _intro(draws: int, level: float, provenance: str) -> list[str]:
         "",
         f"Each cell: how often qserve's gate PASSES a model whose true degradation is exactly the allowance "
         f"(false pass) / how often it passes a good model (power), over {draws} simulated samples of n items. "
-        f"0/1 items, and word perplexity as `qserve eval` scores it, are decided by betting, at 5 % over every "
-        f"look (at most {limit(draws, ALPHA):.2%} allowed: 5 % + 3 Monte-Carlo SE); the other tables (byte "
-        f"perplexity, bits per byte, word perplexity of lm-eval runs made elsewhere on part of a task, other per-item means) use the "
+        f"0/1 items, and corpus perplexities as `qserve eval` scores them, are decided by betting, at 5 % over every "
+        f"look (at most {limit(draws, ALPHA):.2%} allowed: 5 % + 3 Monte-Carlo SE); the other tables (lambada's "
+        f"perplexity, corpus perplexities of lm-eval runs made elsewhere on part of a task, other per-item means) use the "
         f"bounds of a first look at a checkpoint's weights (one-sided {1 - level:.2%}, at most {level:.2%} + 3 SE = "
         f"{limit(draws, level):.2%} allowed; later looks spend less, so that all of them together stay within 5 %).",
         "",
@@ -345,13 +345,14 @@ def _binary_section(binary: list[dict[str, Any]]) -> list[str]:
 
 def _word_perplexity_section(rows: list[dict[str, Any]]) -> list[str]:
     out = [
-        "## Word perplexity under `qserve eval`",
+        "## Word perplexity (byte perplexity, bits per byte) under `qserve eval`",
         "",
         f"Decided by betting at {ALPHA:.0%} over every look on each document's loss change per word within the "
         f"default cap (log 2 nats; a document beyond it fails the gate), the documents in the task's order "
         f"size-biased by words, so the bet is on the corpus ratio itself. The level holds by Ville's inequality "
         f"for every distribution within the cap: the shapes below, and those outside stats.py's class further down, "
-        f"are examples, not the class. Allowance +5 %; power: a model at half of it; n documents of a task much "
+        f"are examples, not the class. Byte perplexity and bits per byte are the same bet by bytes, with other weights. "
+        f"Allowance +5 %; power: a model at half of it; n documents of a task much "
         f"larger than n ({CORPUS_DOCUMENTS:,} documents of 20-200 words, drawn in proportion to their words).",
         "",
     ]
@@ -363,8 +364,8 @@ def _means_section(rows: list[dict[str, Any]], later: list[dict[str, Any]]) -> l
     out = [
         "## Perplexity, bits per byte and other per-item means (stats.py's bounds)",
         "",
-        "Byte perplexity, bits per byte, word perplexity of lm-eval runs made elsewhere on part of a task (`qserve gate`) and per-item "
-        "means that are not 0/1.",
+        "lm-eval's `perplexity` (lambada's), corpus perplexities of lm-eval runs made elsewhere on part of a task (`qserve gate`) "
+        "and per-item means that are not 0/1.",
         "",
         "Power here: a model at half the allowance. Perplexity allowance +5 %. A pass needs the upper bound "
         f"(Student t's critical value t plus {stats.TAIL:g} t^2) under the allowance, n >= {min_items(level)} and "

@@ -14,6 +14,7 @@ from typing import Any
 ORDER_SEED = 0
 # How --limit picks items, recorded with every limited eval: a change of rule is a change of items.
 ORDER = f"sha256({ORDER_SEED}, task, doc id), size-biased by words on word-perplexity tasks"
+WORDS = "word_perplexity"  # the metric whose per-document counts size-bias a task's order
 
 
 def item_order(task: str, size: int, seed: int = ORDER_SEED) -> list[int]:

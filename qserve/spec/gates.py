@@ -23,9 +23,12 @@ class GateSpec(BaseModel):
     min_recovery: float | None = Field(None, gt=0, description="quantized/baseline (baseline/quantized for losses), at most 1")
     max_drop: float | None = Field(None, ge=0, description="largest allowed degradation in the metric's own units")
     max_increase: float | None = Field(None, ge=0, description="lower-is-better metrics: largest relative increase (0.05 = 5%)")
-    # Not a criterion: the range word perplexity's bet is declared in (gate/betting.py; default log 2).
+    # Not a criterion: the range a corpus perplexity's bet is declared in (gate/betting.py; default log 2).
     cap: float | None = Field(
-        None, gt=0, description="word_perplexity: the largest loss change per word (nats) any one document may show"
+        None,
+        gt=0,
+        description="word_perplexity (byte_perplexity, bits_per_byte): the largest loss change per word (byte), in nats, "
+        "any one document may show",
     )
 
     @model_validator(mode="after")
@@ -117,16 +120,32 @@ def check_allowance(task: str, spec: GateSpec, metric: str) -> None:
         _check_cap(task, spec, name)
 
 
+# Corpus perplexities, by what lm-eval divides their log-likelihoods by: a gate bets per that unit,
+# within a cap on one document's loss change per unit (gate/betting.py).
+PERPLEXITY_UNITS = {"word_perplexity": "word", "byte_perplexity": "byte", "bits_per_byte": "byte"}
+
+
+def allowed_rises(spec: GateSpec, name: str) -> dict[str, float]:
+    """A corpus perplexity's criteria that rest on no measured baseline, as allowed relative rises of its
+    perplexity: min_recovery r allows 1/r - 1, max_increase a allows a, and on bits_per_byte (log2 of
+    byte perplexity) max_drop b bits allows 2^b - 1. Criteria left out are in the baseline's own units
+    (max_drop in perplexity points; bits_per_byte's min_recovery and max_increase, shares of its bits)."""
+    if name == "bits_per_byte":
+        return {} if spec.max_drop is None else {"max_drop": 2**spec.max_drop - 1}
+    rises = {"min_recovery": None if spec.min_recovery is None else 1 / spec.min_recovery - 1, "max_increase": spec.max_increase}
+    return {c: rise for c, rise in rises.items() if rise is not None}
+
+
 def _check_cap(task: str, spec: GateSpec, name: str) -> None:
-    """A cap is word perplexity's, and must leave room above the allowed rise, or no bet could ever fail."""
-    if name != "word_perplexity":
-        raise InvalidSpec(f"gate on {task}: cap bounds word_perplexity's per-document loss change, not {name}")
-    rises = [1 / spec.min_recovery - 1] if spec.min_recovery is not None else []
-    rises += [spec.max_increase] if spec.max_increase is not None else []
-    if rises and spec.cap <= math.log1p(max(rises)):
+    """A cap is a corpus perplexity's, and must leave room above the allowed rise, or no bet could ever fail."""
+    if name not in PERPLEXITY_UNITS:
         raise InvalidSpec(
-            f"gate on {task}: cap {spec.cap:g} nats per word is at or below the allowed rise's "
-            f"log(1 + {max(rises):.4g}) = {math.log1p(max(rises)):.4g}; give a cap above it"
+            f"gate on {task}: cap bounds a corpus perplexity's per-document loss change ({', '.join(PERPLEXITY_UNITS)}), not {name}"
+        )
+    if (rises := allowed_rises(spec, name)) and spec.cap <= math.log1p(top := max(rises.values())):
+        raise InvalidSpec(
+            f"gate on {task}: cap {spec.cap:g} nats per {PERPLEXITY_UNITS[name]} is at or below the allowed rise's "
+            f"log(1 + {top:.4g}) = {math.log1p(top):.4g}; give a cap above it"
         )
 
 
