@@ -53,7 +53,7 @@ def test_the_demo_passes_with_margin_and_serves(demo_run: DemoRun) -> None:
             "betting without replacement (Waudby-Smith and Ramdas 2020) on 1319 items of the task, in the seeded order "
             "size-biased by words, on each document's loss change per word (within ±0.693 nats), at 5 % over every look"
         )
-    order = "sha256(0, task, doc id), size-biased by words on word-perplexity tasks"
+    order = "sha256(0, task, doc id), size-biased by lm-eval's word counts on word-perplexity tasks"
     assert f"verdict: PASS on {DEMO_LIMIT} items per task, a seeded random sample ({order})" in demo_run.stdout
     # --limit scored the first DEMO_LIMIT documents of the race by words (the rule recomputed here), on both models
     assert record["tasks"] == ["gsm8k_ppl"]

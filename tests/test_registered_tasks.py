@@ -584,6 +584,35 @@ def test_registered_gsm8k_runs_five_shot_from_the_local_copy_offline(passed_eval
 
 
 @pytest.mark.slow
+@pytest.mark.matrix  # make test-matrix (CI runs it after make test): keeps make test within 30 minutes
+def test_registered_wikitext_through_qserve_eval_takes_lm_evals_own_word_counts(checkpoints, tmp_path: Path) -> None:
+    """`qserve eval --tasks wikitext` on both models (vLLM's rolling log-likelihoods; the embedded model in FP8
+    dynamic), its data a hub-layout
+    copy: --limit 8 takes the first 8 of the order size-biased by each page's words as lm-eval's wikitext
+    counts them (the raw page, before detokenizing; recomputed here), and the word-perplexity gate bets on
+    them. Eight documents cannot reach a wealth of 20 here, so the gate is INCONCLUSIVE, exit 4. (Counted
+    from the detokenized text, as before, the gate stopped on a ValueError after both evals.)"""
+    import re
+
+    from conftest import expected_weighted_order
+
+    pages = hub_copy_of_wikitext(tmp_path / "datasets")
+    words = [float(len(re.split(r"\s+", p))) for p in pages]
+    ckpt = copy_checkpoint(checkpoints["fp8"], tmp_path / "ckpt")  # FP8 dynamic: every CPU met serves it
+    args = ("eval", ckpt, "--tasks", "wikitext", "--limit", "8", "--datasets", tmp_path / "datasets", "--refresh-baseline")
+    proc = run_qserve_in_process(*args, "--no-parity", "--json", env=OFFLINE)
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    record = json.loads(proc.stdout)
+    assert record["doc_ids"]["wikitext"] == sorted(expected_weighted_order("wikitext", words)[:8])
+    (gate,) = record["gates"]
+    assert (gate["metric"], gate["items"], gate["status"]) == ("word_perplexity,none", 8, "inconclusive")
+    assert gate["test"].startswith(
+        f"betting without replacement (Waudby-Smith and Ramdas 2020) on {WIKI_PAGES} items of the task"
+    )
+    assert "size-biased by words, on each document's loss change per word" in gate["test"]
+
+
+@pytest.mark.slow
 def test_registered_cot_task_with_the_chat_template_as_turns_on_both_models(
     passed_eval, embedded_model_dir, tmp_path: Path
 ) -> None:

@@ -86,6 +86,8 @@ def entry_path(key: dict) -> Path:
 
 def with_data_hashes(config: dict) -> dict:
     cfg = dict(config)
+    if "cache_dir" in (cfg.get("dataset_kwargs") or {}):  # where datasets caches a copy, named by its content below
+        cfg["dataset_kwargs"] = {k: v for k, v in cfg["dataset_kwargs"].items() if k != "cache_dir"}
     files = (cfg.get("dataset_kwargs") or {}).get("data_files")
     if isinstance(files, dict):
         cfg["dataset_kwargs"] = {**cfg["dataset_kwargs"], "data_files": {s: sha256_file(Path(p)) for s, p in files.items()}}

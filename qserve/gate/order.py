@@ -13,7 +13,7 @@ from typing import Any
 
 ORDER_SEED = 0
 # How --limit picks items, recorded with every limited eval: a change of rule is a change of items.
-ORDER = f"sha256({ORDER_SEED}, task, doc id), size-biased by words on word-perplexity tasks"
+ORDER = f"sha256({ORDER_SEED}, task, doc id), size-biased by lm-eval's word counts on word-perplexity tasks"
 WORDS = "word_perplexity"  # the metric whose per-document counts size-bias a task's order
 
 

@@ -76,12 +76,12 @@ def item_values(samples: list[dict], metric_key: str) -> ItemValues:
         if s.get("filter", "none") != (filt or "none") or metric not in s:
             continue
         value = s[metric]
+        if metric == "perplexity" and not isinstance(value, (list, tuple)):
+            value = [value, 1.0]
         try:
             out[str(s["doc_id"])] = [float(v) for v in value] if isinstance(value, (list, tuple)) else float(value)
         except (TypeError, ValueError):
             return {}
-        if metric == "perplexity" and isinstance(out[str(s["doc_id"])], float):
-            out[str(s["doc_id"])] = [out[str(s["doc_id"])], 1.0]
     return out
 
 
