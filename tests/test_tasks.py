@@ -60,6 +60,27 @@ def test_a_perplexity_task_weighs_its_documents_by_the_words_and_bytes_lm_eval_c
     assert task_counts(lm_eval_config(get_tasks(["gsm8k"])[0], DATA_DIR)) == {}
 
 
+def test_a_data_file_rewritten_with_its_old_mtime_is_read_again(tmp_path: Path) -> None:
+    """datasets keys a data file's cache by its path and mtime: a file whose content changed but whose mtime
+    did not (cp -p, rsync -t, an archive) used to be read from the old cache, while the baseline's key
+    hashed the new content. qserve gives each content its own datasets cache."""
+    import os
+
+    from lm_eval.api.task import ConfigurableTask
+
+    data = tmp_path / "gsm8k" / "test.jsonl"
+    data.parent.mkdir()
+    rows = [json.loads(line) for line in (DATA_DIR / "gsm8k" / "test.jsonl").read_text().splitlines()[:3]]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (task,) = get_tasks(["gsm8k_ppl"])
+    first = ConfigurableTask(config=lm_eval_config(task, tmp_path)).eval_docs[0]
+    assert first == rows[0]
+    mtime = data.stat().st_mtime_ns
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows[::-1]))
+    os.utime(data, ns=(mtime, mtime))
+    assert ConfigurableTask(config=lm_eval_config(task, tmp_path)).eval_docs[0] == rows[2]
+
+
 def test_missing_task_data_is_one_clear_error(tmp_path: Path) -> None:
     with pytest.raises(QserveError, match=r"task arc_easy needs .*arc_easy/test.jsonl, which does not exist"):
         lm_eval_config(get_tasks(["arc_easy"])[0], tmp_path)

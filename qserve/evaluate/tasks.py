@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from qserve import paths
+from qserve.checkpoint.hashing import sha256_file
 from qserve.errors import QserveError
 from qserve.gate.core import Group
 from qserve.gate.stats import WEIGHTED
@@ -296,7 +297,10 @@ def lm_eval_config(task: Task, data_dir: Path, datasets: Path | None = None) -> 
         files[split] = str(path)
     cfg = _lm_eval_task(task.lm_eval_task, _yaml_of(task.lm_eval_task)).config if task.lm_eval_task else {}
     cfg.update(task.config)
-    cfg.update(task=task.name, dataset_path="json", dataset_name=None, dataset_kwargs={"data_files": files})
+    cache = content_cache({split: sha256_file(Path(path)) for split, path in files.items()})
+    cfg.update(
+        task=task.name, dataset_path="json", dataset_name=None, dataset_kwargs={"data_files": files, "cache_dir": str(cache)}
+    )
     return cfg
 
 
@@ -315,9 +319,7 @@ def _registered_config(task: LmEvalTask, datasets: Path | None) -> dict[str, Any
     copy = datasets / repo if datasets is not None else None
     if copy is not None and copy.is_dir():
         cfg["dataset_path"] = str(copy)  # datasets.load_dataset reads a hub repo's layout from a folder
-        # datasets keys its cache of such a folder by name and layout, not content (huggingface/datasets#2956,
-        # #6465): another copy, or a newer one in its place, would be read from the first's cache.
-        cfg["dataset_kwargs"] = {**(cfg.get("dataset_kwargs") or {}), "cache_dir": str(copy_cache(copy))}
+        cfg["dataset_kwargs"] = {**(cfg.get("dataset_kwargs") or {}), "cache_dir": str(content_cache(copy_files(copy)))}
         return cfg
     _check_reachable(task.name, repo, cfg.get("dataset_name"), datasets)
     return cfg
@@ -377,17 +379,18 @@ def _unreachable(repo: str, name: str | None) -> str | None:
 def copy_files(folder: Path) -> dict[str, str]:
     """A local dataset copy's files by content (relative path -> sha256), without hidden entries such as
     the `.cache/` folder `hf download` keeps its own bookkeeping in."""
-    from qserve.checkpoint.hashing import sha256_file
-
     files = sorted(
         p for p in folder.rglob("*") if p.is_file() and not any(s.startswith(".") for s in p.relative_to(folder).parts)
     )
     return {p.relative_to(folder).as_posix(): sha256_file(p) for p in files}
 
 
-def copy_cache(folder: Path) -> Path:
-    """Where datasets caches a local copy: a folder per content (copy_files' digest) in qserve's cache."""
-    digest = hashlib.sha256(json.dumps(copy_files(folder), sort_keys=True).encode()).hexdigest()
+def content_cache(files: dict[str, str]) -> Path:
+    """Where datasets caches data qserve hands lm-eval (`files`: name -> sha256): a folder per content in
+    qserve's cache. datasets keys a hub-layout folder by its name and layout, and a data file by its path
+    and mtime, not by content (huggingface/datasets#2956, #6465): another copy, a newer one in its place,
+    or a file rewritten with its old mtime would be read from the first one's cache."""
+    digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
     return paths.cache_dir() / "datasets" / digest[:16]
 
 
