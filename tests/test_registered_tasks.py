@@ -600,7 +600,8 @@ def test_registered_wikitext_through_qserve_eval_takes_lm_evals_own_word_counts(
     words = [float(len(re.split(r"\s+", p))) for p in pages]
     ckpt = copy_checkpoint(checkpoints["fp8"], tmp_path / "ckpt")  # FP8 dynamic: every CPU met serves it
     args = ("eval", ckpt, "--tasks", "wikitext", "--limit", "8", "--datasets", tmp_path / "datasets", "--refresh-baseline")
-    proc = run_qserve_in_process(*args, "--no-parity", "--json", env=OFFLINE)
+    # A cache of its own: this look at the FP8 weights stays out of the ledger other tests count looks in.
+    proc = run_qserve_in_process(*args, "--no-parity", "--json", env=OFFLINE | {"QSERVE_CACHE_DIR": str(tmp_path / "cache")})
     assert proc.returncode == 4, proc.stderr[-3000:]
     record = json.loads(proc.stdout)
     assert record["doc_ids"]["wikitext"] == sorted(expected_weighted_order("wikitext", words)[:8])
