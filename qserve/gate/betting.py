@@ -91,6 +91,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from qserve.gate.spending import ALPHA
+from qserve.spec.gates import PERPLEXITY_UNITS
 
 TRUNCATION = 0.5  # c: the paper's suggested truncation (the docstring says why)
 DEFAULT_CAP = math.log(2)  # perplexity: a document whose perplexity doubles or halves fails the gate
@@ -115,7 +116,7 @@ class Spec:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"a betting spec's kind is one of {', '.join(KINDS)}, not {self.kind!r}")
-        if self.unit not in ("word", "byte"):
+        if self.unit not in PERPLEXITY_UNITS.values():
             raise ValueError(f"a perplexity's unit is word or byte, not {self.unit!r}")
         lo, hi, delta = self.bet_range()
         if not lo < delta < hi:

@@ -147,7 +147,7 @@ def decide_gates(
             better = base.higher_is_better(task, metric)
             cmp = stats.compare(metric, better, b, q, level)
             headline = metric == headlines[task]
-            weights = (counts or {}).get(task, {}).get(metric.partition(",")[0]) if evidence.counted(metric) else None
+            weights = (counts or {}).get(task, {}).get(metric.partition(",")[0])  # corpus perplexities' words or bytes
             if cmp.non_finite or not evidence.bettable(spec, metric, better, b[2], q[2], weights):
                 decided.append(decide(task, spec, cmp, headline=headline))
                 continue

@@ -116,7 +116,7 @@ def _counts(
     out: dict[str, dict[str, dict[int, float]]] = {}
     for task in headlines:
         metrics = {spec.metric or headlines[task] for spec in specs.get(task, [])}
-        for metric in (m for m in metrics if evidence.counted(m)):
+        for metric, name in ((m, m.partition(",")[0]) for m in metrics if evidence.counted(m)):
             items = base.score(task, metric)[2]
             pairs = list(items.values())
             every = bool(pairs) and sizes.get(task, len(pairs)) == len(pairs)
@@ -126,9 +126,10 @@ def _counts(
             if set(other) != set(items):
                 continue  # decide_gates refuses runs on different items, naming the counts
             if differ := [k for k, v in items.items() if not isinstance(other.get(k), list) or other[k][1] != v[1]][:1]:
-                unit = PERPLEXITY_UNITS[metric.partition(",")[0]]
-                raise QserveError(f"{task}: the runs count different {unit}s for document {differ[0]}: they scored other texts")
-            out.setdefault(task, {})[metric.partition(",")[0]] = {int(k): float(v[1]) for k, v in items.items()}
+                raise QserveError(
+                    f"{task}: the runs count different {PERPLEXITY_UNITS[name]}s for document {differ[0]}: they scored other texts"
+                )
+            out.setdefault(task, {})[name] = {int(k): float(v[1]) for k, v in items.items()}
     return out
 
 
