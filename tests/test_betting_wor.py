@@ -90,6 +90,40 @@ def test_mean_level_holds_for_every_shape_inside_the_range(shape: str) -> None:
     assert passes <= LIMIT and fails <= LIMIT
 
 
+# lm-eval's `perplexity` (lambada's) bets per item within log 100 (betting.DEFAULT_CAPS), on lambada's 5,153 passages.
+ITEM_CAP, LAMBADA = math.log(100), 5153
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_per_item_perplexity_level_holds_for_every_shape_inside_its_cap(shape: str) -> None:
+    """Per-item loss changes within log 100 nats, mean exactly the allowance log 1.05, on a test set of
+    lambada's size: normal, skewed, heavy-tailed, and carried by 1, 2 or 5 % of the items at the cap."""
+    delta = math.log1p(0.05)
+    values = _population(shape, delta, ITEM_CAP, LAMBADA, np.random.default_rng([37, SHAPES.index(shape)]))
+    passes, fails = _false_rates(values, -ITEM_CAP, ITEM_CAP, delta, [38, SHAPES.index(shape)])
+    print(f"\nper item within log 100, {shape} at the allowance: false pass {passes}, false fail {fails}")
+    assert passes <= LIMIT and fails <= LIMIT
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_per_item_perplexity_passes_at_half_the_allowance_within_its_cap(shape: str) -> None:
+    """Power per item at the log 100 cap: loss changes of each shape whose mean is half the allowance
+    log 1.05, on lambada's 5,153 items. Over 1,000 orders every one decides by the test set's end
+    (exact there) and at least 95 % pass: the fail bettor, whose null (degradation at or below the
+    allowance) holds here, may fail such a model at most 5 % of the time (a loss carried by a few
+    items at the cap sometimes is). The median items to a pass is printed: the wide cap's price."""
+    delta = math.log1p(0.05)
+    rng = np.random.default_rng([39, SHAPES.index(shape)])
+    values = _population(shape, delta / 2, ITEM_CAP, LAMBADA, rng)
+    paths = betting.wor_paths(_orders(values, 1000, rng), -ITEM_CAP, ITEM_CAP, delta, LAMBADA)
+    to_pass, to_fail = _first(paths["log_wealth_pass"]), _first(paths["log_wealth_fail"])
+    passed = float(np.mean(to_pass < to_fail))
+    print(
+        f"\nper item within log 100, {shape} at half the allowance: pass {passed}, median items to a pass {_median_to_pass(paths)}"
+    )
+    assert passed >= 1 - ALPHA and bool(np.all(np.minimum(to_pass, to_fail) <= LAMBADA))
+
+
 def test_every_item_scored_decides_exactly() -> None:
     """Once every item is consumed the mean is known: one item's worth below the allowance passes on
     every order, one above fails on every order, exactly at it neither."""
@@ -145,6 +179,14 @@ def _gsm8k_words() -> np.ndarray:
 
     rows = (DATA_DIR / "gsm8k" / "test.jsonl").read_text().splitlines()
     return np.array([len(re.split(r"\s+", json.loads(r)["answer"])) for r in rows], dtype=float)
+
+
+def _gsm8k_bytes() -> np.ndarray:
+    """GSM8K test answers' UTF-8 bytes, as lm-eval's byte perplexity and bits_per_byte count them."""
+    import json
+
+    rows = (DATA_DIR / "gsm8k" / "test.jsonl").read_text().splitlines()
+    return np.array([len(json.loads(r)["answer"].encode("utf-8")) for r in rows], dtype=float)
 
 
 def test_corpus_perplexity_in_a_uniform_order_pays_for_its_longest_document() -> None:
@@ -248,6 +290,41 @@ def test_size_biased_order_passes_a_model_at_half_the_allowance_for_every_shape(
     print(f"\nsize-biased order, {shape} at half the allowance: median documents to a pass {median}")
     assert float(np.mean(to_fail < to_pass)) == 0.0 and float(np.mean(to_pass <= len(words))) == 1.0
     assert median <= 1.15 * WEIGHTED_MEDIANS[shape]
+
+
+# bits_per_byte's max_drop of 0.05 bits is a byte-perplexity rise of 2^0.05 - 1: delta = 0.05 log 2 nats per byte.
+BYTE_DELTA = 0.05 * math.log(2)
+
+
+@pytest.mark.parametrize("shape", WEIGHTED_SHAPES)
+def test_size_biased_by_bytes_level_holds_for_bits_per_byte_of_every_shape(shape: str) -> None:
+    """Byte perplexity and bits_per_byte bet the same way by bytes: on GSM8K's answer bytes, per-byte loss
+    changes inside the log 2 cap whose byte-weighted mean is exactly the allowance of 0.05 bits per byte,
+    in every shape above (length-correlated: by bytes). Over 2,000 orders size-biased by bytes neither
+    bettor reaches 1/alpha at any item more often than the level (+3 SE)."""
+    size, cap = _gsm8k_bytes(), math.log(2)
+    r = _per_word_population(shape, size, BYTE_DELTA, cap, np.random.default_rng([34, WEIGHTED_SHAPES.index(shape)]))
+    order = _size_biased_orders(size, PATHS, np.random.default_rng([35, WEIGHTED_SHAPES.index(shape)]))
+    paths = betting.wor_paths(r[order], -cap, cap, BYTE_DELTA, len(size), None, size[order], size.sum())
+    passes = float(np.mean(_first(paths["log_wealth_pass"]) < NEVER))
+    fails = float(np.mean(_first(paths["log_wealth_fail"]) < NEVER))
+    print(f"\nsize-biased by bytes, {shape} at 0.05 bits per byte: false pass {passes}, false fail {fails}")
+    assert passes <= LIMIT and fails <= LIMIT
+
+
+@pytest.mark.parametrize("shape", WEIGHTED_SHAPES)
+def test_size_biased_by_bytes_passes_bits_per_byte_at_half_the_allowance_for_every_shape(shape: str) -> None:
+    """Power by bytes on the same shapes: per-byte changes whose byte-weighted mean is half the 0.05 bits
+    per byte allowance. Over 1,000 orders none fails and every one passes by the test set's end (exact
+    there); the median documents to a pass is printed."""
+    size, cap = _gsm8k_bytes(), math.log(2)
+    rng = np.random.default_rng([36, WEIGHTED_SHAPES.index(shape)])
+    r = _per_word_population(shape, size, BYTE_DELTA / 2, cap, rng)
+    order = _size_biased_orders(size, 1000, rng)
+    paths = betting.wor_paths(r[order], -cap, cap, BYTE_DELTA, len(size), None, size[order], size.sum())
+    to_pass, to_fail = _first(paths["log_wealth_pass"]), _first(paths["log_wealth_fail"])
+    print(f"\nsize-biased by bytes, {shape} at half of 0.05 bits per byte: median documents to a pass {_median_to_pass(paths)}")
+    assert float(np.mean(to_fail < to_pass)) == 0.0 and float(np.mean(to_pass <= len(size))) == 1.0
 
 
 def test_size_biased_order_decides_corpus_perplexity_with_fewer_documents_than_draws() -> None:

@@ -70,11 +70,11 @@ def test_the_demo_passes_with_margin_and_serves(demo_run: DemoRun) -> None:
     ) in demo_run.stdout
     assert (
         f"look {look['number']} at these weights ({len(look['earlier'])} earlier gate runs): gates on scores in [0, 1] "
-        f"and corpus perplexities bet on a prefix of the seeded order at 5 % over every look; other bets and bounds are one-sided {1 - look['level']:.2%}, so that all looks "
+        f"and perplexities bet on a prefix of the seeded order at 5 % over every look; other bets and bounds are one-sided {1 - look['level']:.2%}, so that all looks "
         "together pass a model at its allowance at most 5 % of the time (for scores in [0, 1], 0/1 included, by "
         "betting and Ville's inequality, for every pattern of item scores; for word and byte perplexity and bits per byte "
-        "the same, for every loss within the cap of log 2 nats per word (per byte) on a document; for lambada's perplexity "
-        "and other means, for the "
+        "the same, for every loss within the cap of log 2 nats per word (per byte) on a document, and for lambada's "
+        "perplexity within log 100 nats on an item; for other means, for the "
         "class of loss shapes docs/gate-levels.md covers (tails up to Pareto index 2.5, a loss in at least 5 % of documents))"
     ) in demo_run.stdout
     assert re.fullmatch(r"serving out-w8a8-int8 at http://127\.0\.0\.1:\d+/v1", demo_run.stdout[-2])

@@ -171,9 +171,18 @@ def test_a_recipe_may_declare_the_cap_and_a_cap_that_could_never_fail_is_refused
     assert {c: s.cap for c, (s, _) in found.items()} == {"min_recovery": 0.405, "max_increase": 0.405}
     assert {c: s.bet_range()[:2] for c, (s, _) in found.items()} == {c: (-0.405, 0.405) for c in found}
     check_allowance("gsm8k_ppl", spec, "word_perplexity,none")
+    # lambada's `perplexity` bets per item, by default within log 100 (a word 100 times less or more likely)
+    ((per_item, scale),) = hypotheses(GateSpec(max_increase=0.05), "perplexity,none", False).values()
+    assert (per_item.kind, per_item.unit, per_item.bet_range(), scale) == (
+        "perplexity",
+        "item",
+        (-math.log(100), math.log(100), math.log1p(0.05)),
+        1.0,
+    )
+    assert hypotheses(GateSpec(max_increase=0.05, cap=2.0), "perplexity,none", False)["max_increase"][0].cap == 2.0
     with pytest.raises(
         InvalidSpec,
-        match=r"cap bounds a corpus perplexity's per-document loss change \(word_perplexity, byte_perplexity, bits_per_byte\), not acc",
+        match=r"cap bounds a perplexity's per-document loss change \(word_perplexity, byte_perplexity, bits_per_byte, perplexity\), not acc",
     ):
         check_allowance("arc", GateSpec(min_recovery=0.95, cap=0.4), "acc,none")
     with pytest.raises(  # 0.1 bits per byte: log(1 + 2^0.1 - 1) = 0.1 ln 2 = 0.06931 nats per byte

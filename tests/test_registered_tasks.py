@@ -208,6 +208,9 @@ class _Scores:
     def higher_is_better(self, task: str, metric: str) -> bool:
         return True
 
+    def output_type(self, task: str) -> str | None:
+        return "multiple_choice"
+
     def score(self, task: str, metric: str):
         if task not in self.tasks:
             raise QserveError(f"no {task}")
@@ -373,15 +376,18 @@ def _lambada_run(tmp_path: Path, worse_by: Callable[[int], float]) -> Any:
         log_samples=True,
         samples={task.name: list(range(300))},
     )
-    raw = {k: out[k] for k in ("results", "higher_is_better")}
+    raw = {k: out[k] for k in ("results", "higher_is_better", "configs")}
     return EngineRun(raw, {task.name: _items(out["samples"][task.name], out["results"][task.name])})
 
 
-def test_lambadas_perplexity_is_gated_on_its_own_scale(tmp_path: Path) -> None:
+def test_lambadas_perplexity_is_bet_on_per_item(tmp_path: Path) -> None:
     """lm-eval's `perplexity` (lambada's headline) is exp(-mean log-likelihood of the last word): its items
-    are log-likelihoods, higher better, while the metric is lower-better. A model whose every word's loss
-    rose by 0.5 nats has 65 % more perplexity (e^0.5 - 1, by hand) and fails a 5 % allowance; one whose
-    loss rose by 0.005 nats (+0.5 %) give or take 0.01 passes it."""
+    are log-likelihoods, higher better, while the metric is lower-better. lambada's items are one target
+    each (output_type loglikelihood), so its gate bets on each item's loss change within log 100 nats. A
+    model whose every word's loss rose by 0.5 nats has 65 % more perplexity (e^0.5 - 1, by hand) and
+    fails a 5 % allowance; one whose loss rose by 0.005 nats (+0.5 %) give or take 0.01 passes it; one
+    whose passage 7 lost 5 nats fails, naming it. The same runs stated as a rolling task (whose
+    `perplexity` is per document, not per target) keep stats.py's bound."""
     import math
 
     from qserve.gate.core import decide_gates
@@ -390,17 +396,31 @@ def test_lambadas_perplexity_is_gated_on_its_own_scale(tmp_path: Path) -> None:
     base = _lambada_run(tmp_path, lambda i: 0.0)
     worse = _lambada_run(tmp_path, lambda i: 0.5)
     close = _lambada_run(tmp_path, lambda i: 0.005 + 0.01 * math.sin(i))
+    broken = _lambada_run(tmp_path, lambda i: 5.0 if i == 7 else 0.0)
     key = "perplexity,none"
     stated = base.raw["results"]["lambada_openai"][key]
     assert stated == pytest.approx(math.exp(sum(1 + (i % 7) / 2 for i in range(300)) / 300), rel=1e-12)
     assert base.items["lambada_openai"][key]["0"] == [-1.0, 1.0]
+    assert base.raw["configs"]["lambada_openai"]["output_type"] == "loglikelihood"
     spec = {"lambada_openai": [GateSpec(metric=key, max_increase=0.05)]}
     headline = {"lambada_openai": key}
+    bet = "betting without replacement (Waudby-Smith and Ramdas 2020) on 300 items of the task, in the seeded order, "
+    bet += f"on each item's loss change (within ±{math.log(100):.3g} nats), at 5 % over every look"
     (failed,) = decide_gates(spec, headline, base, worse, 0.05)
-    assert failed.status == "fail" and failed.reason.startswith(f"{math.exp(0.5) - 1:+.2%} vs allowed +5.00%: exceeded")
+    assert (failed.status, failed.test) == ("fail", bet)
+    assert failed.reason.startswith(f"degradation {stated * (math.exp(0.5) - 1):.4g} vs allowed {stated * 0.05:.4g}: ")
+    assert "reached 1/alpha = 20 after" in failed.reason and "degradation > allowance" in failed.reason
     (passed,) = decide_gates(spec, headline, base, close, 0.05)
-    rise = math.exp(sum(0.005 + 0.01 * math.sin(i) for i in range(300)) / 300) - 1
-    assert passed.status == "pass" and passed.reason.startswith(f"{rise:+.2%} vs allowed +5.00%, clear of noise")
+    assert (passed.status, passed.test) == ("pass", bet), passed.reason
+    (capped,) = decide_gates(spec, headline, base, broken, 0.05)
+    assert capped.status == "fail" and capped.reason.endswith(
+        "max_increase: document 7: the loss changed by more than the cap of 4.61 nats per item (or is not finite): "
+        "the model is broken on it"
+    )
+    for run in (base, worse):
+        run.raw["configs"]["lambada_openai"]["output_type"] = "loglikelihood_rolling"
+    (rolling,) = decide_gates(spec, headline, base, worse, 0.05)
+    assert rolling.status == "fail" and rolling.reason.startswith(f"{math.exp(0.5) - 1:+.2%} vs allowed +5.00%: exceeded")
 
 
 WIKI_PAGES = 500  # documents of the wikitext copy below
@@ -554,28 +574,47 @@ def test_each_local_copy_is_read_for_its_own_content(tmp_path: Path) -> None:
     assert first_passage(tmp_path / "one") == "A newer copy in the same folder"
 
 
+def _undecidable(items: int, size: int, recovery: float) -> bool:
+    """Whether `items` 0/1 items of a `size`-item task can never decide a min_recovery gate, whatever
+    they score. The gate bets on d = recovery x baseline - quantized, in [-1, recovery], against the
+    mean the items not yet taken would need (m, within items / (size - items) of 0), each bet at most
+    the truncation 1/2 over the distance to the range's end (betting.py's docstring): an item
+    multiplies the pass wealth by at most 1 + (1 + m) / 2 / (recovery - m) and the fail wealth by
+    at most 1 + (recovery + m) / 2 / (1 - m), and 1/alpha = 20 is needed."""
+    m = items / (size - items)
+    most = max(1 + (1 + m) / 2 / (recovery - m), 1 + (recovery + m) / 2 / (1 - m))
+    return most**items < 20
+
+
 @pytest.mark.slow
 def test_registered_gsm8k_runs_five_shot_from_the_local_copy_offline(passed_eval, tmp_path: Path) -> None:
     """lm-eval's own `gsm8k`, unmodified, on both models, its data read from a hub-layout copy with the hub
-    switched off; lm-eval's results say how it ran."""
+    switched off; lm-eval's results say how it ran. Six items cannot decide its 0.95 recovery gate
+    (`_undecidable`), so the exit is 4 on every kernel."""
     repo = hub_copy_of_gsm8k(tmp_path / "datasets")
     ckpt = copy_checkpoint(passed_eval[0], tmp_path / "ckpt")
+    assert _undecidable(6, 1319, 0.95)
     # --refresh-baseline: both models run here (a cached baseline would carry the path of an earlier copy)
-    args = ("eval", ckpt, "--tasks", "gsm8k", "--limit", "8", "--datasets", tmp_path / "datasets", "--refresh-baseline")
-    args += ("--no-parity", "--json")
+    args = ("eval", ckpt, "--tasks", "gsm8k", "--limit", "6", "--datasets", tmp_path / "datasets", "--refresh-baseline")
+    args += ("--gate", "gsm8k=0.95", "--no-parity", "--json")
     proc = run_qserve_in_process(*args, env=OFFLINE)
-    assert proc.returncode in (0, 3, 4), proc.stderr[-3000:]
+    assert proc.returncode == 4, proc.stderr[-3000:]
     raw = json.loads((ckpt / LM_EVAL_RESULTS_NAME).read_text())
     lm_eval_yaml = yaml.safe_load((Path(__import__("lm_eval").__file__).parent / "tasks/gsm8k/gsm8k.yaml").read_text())
     for side in ("quantized", "baseline"):
         assert raw[side]["n-shot"]["gsm8k"] == lm_eval_yaml["num_fewshot"] == 5
-        assert raw[side]["n-samples"]["gsm8k"]["effective"] == 8
+        assert raw[side]["n-samples"]["gsm8k"]["effective"] == 6
         assert raw[side]["configs"]["gsm8k"]["dataset_path"] == str(repo)
     assert raw["quantized"]["configs"]["gsm8k"] == raw["baseline"]["configs"]["gsm8k"]
     record = json.loads(proc.stdout)
     assert record["baseline_cache"]["misses"] == ["gsm8k"]
     (gate,) = record["gates"]
-    assert (gate["task"], gate["metric"], gate["items"]) == ("gsm8k", "exact_match,strict-match", 8)
+    assert (gate["task"], gate["metric"], gate["items"], gate["status"]) == (
+        "gsm8k",
+        "exact_match,strict-match",
+        6,
+        "inconclusive",
+    )
     expected = {
         p.relative_to(repo).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in repo.rglob("*") if p.is_file()
     }
@@ -613,6 +652,40 @@ def test_registered_wikitext_through_qserve_eval_takes_lm_evals_own_word_counts(
 
 
 @pytest.mark.slow
+@pytest.mark.matrix  # make test-matrix (CI runs it after make test)
+def test_registered_lambada_through_qserve_eval_bets_on_each_items_loss(checkpoints, tmp_path: Path) -> None:
+    """`qserve eval --tasks lambada_openai` on both models (the embedded model in FP8 dynamic), its data a
+    hub-layout copy: lm-eval's results say its items are one target each (output_type loglikelihood), so
+    its headline `perplexity` is bet on per item, in the seeded order --limit 7 took (recomputed here),
+    within log 100. Seven items cannot decide: with m the mean the items not yet taken would need (the
+    allowance's log 1.05 moved by at most 7 items at the cap), an item multiplies the pass wealth by at
+    most 1 + (cap + m) / 2 / (cap - m) and the fail wealth by at most 1 + (cap - m) / 2 / (cap + m),
+    and 1/alpha is 20; so exit 4 on every kernel."""
+    import math
+
+    from conftest import expected_order
+
+    cap, delta, size = math.log(100), math.log1p(0.05), 1319
+    high, low = ((size * delta + side * 7 * cap) / (size - 7) for side in (1, -1))
+    assert (1 + (cap + high) / 2 / (cap - high)) ** 7 < 20 and (1 + (cap - low) / 2 / (cap + low)) ** 7 < 20
+    hub_copy_of_lambada(tmp_path / "datasets")
+    ckpt = copy_checkpoint(checkpoints["fp8"], tmp_path / "ckpt")
+    args = ("eval", ckpt, "--tasks", "lambada_openai", "--limit", "7", "--datasets", tmp_path / "datasets")
+    args += ("--gate", "lambada_openai:max_increase=0.05", "--refresh-baseline", "--no-parity", "--json")
+    # A cache of its own: this look at the FP8 weights stays out of the ledger other tests count looks in.
+    proc = run_qserve_in_process(*args, env=OFFLINE | {"QSERVE_CACHE_DIR": str(tmp_path / "cache")})
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    record = json.loads(proc.stdout)
+    assert record["doc_ids"]["lambada_openai"] == sorted(expected_order("lambada_openai", 1319)[:7])
+    (gate,) = record["gates"]
+    assert (gate["metric"], gate["items"], gate["status"]) == ("perplexity,none", 7, "inconclusive")
+    assert gate["test"] == (
+        "betting without replacement (Waudby-Smith and Ramdas 2020) on 1319 items of the task, in the seeded order, "
+        f"on each item's loss change (within ±{cap:.3g} nats), at 5 % over every look"
+    )
+
+
+@pytest.mark.slow
 def test_registered_cot_task_with_the_chat_template_as_turns_on_both_models(
     passed_eval, embedded_model_dir, tmp_path: Path
 ) -> None:
@@ -625,8 +698,9 @@ def test_registered_cot_task_with_the_chat_template_as_turns_on_both_models(
     args = ("eval", ckpt, "--tasks", "gsm8k_cot_llama", "--limit", "5", "--datasets", tmp_path / "datasets")
     args += ("--apply-chat-template", "--fewshot-as-multiturn", "--system-instruction", system, "--num-fewshot", "3")
     args += ("--gen-kwargs", "max_gen_toks=96", "--seed", "1,2,3,4", "--refresh-baseline", "--no-parity", "--json")
+    assert _undecidable(5, 1319, 0.95)  # the default gate, on five items: exit 4 on every kernel
     proc = run_qserve_in_process(*args, env=OFFLINE)
-    assert proc.returncode in (0, 3, 4), proc.stderr[-3000:]
+    assert proc.returncode == 4, proc.stderr[-3000:]
     # the template the model ships, read here from its own file (transformers loads chat_template.jinja as is)
     template = (embedded_model_dir / "chat_template.jinja").read_text()
     raw = json.loads((ckpt / LM_EVAL_RESULTS_NAME).read_text())

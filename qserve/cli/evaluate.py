@@ -183,8 +183,9 @@ def eval_(
     recipe's eval section; the record keeps lm-eval's own account of how it prompted each, and the
     eval refuses to gate if the two differ.
 
-    Every eval of the same weights is a look. Gates decided by betting (scores in [0, 1] and corpus
-    perplexities, on a prefix of the task's seeded order) hold 5 % over every look; the rest decide the
+    Every eval of the same weights is a look. Gates decided by betting (scores in [0, 1], corpus
+    perplexities and lambada's perplexity, on a prefix of the task's seeded order) hold 5 % over every
+    look; the rest decide the
     k-th look at a smaller level, so that all of them together pass a model at its allowance at most
     5 % of the time (`qserve gate-levels` shows false-pass and power by --limit).
 

@@ -35,6 +35,9 @@ class EngineRun:
     def higher_is_better(self, task: str, metric: str) -> bool:
         return core.higher_is_better(self.raw, task, metric, "lm-eval's results")
 
+    def output_type(self, task: str) -> str | None:
+        return core.output_type(self.raw, task)
+
     def check_items_add_up(self, task: str, metric: str, scored: tuple[float, float | None, ItemValues | None]) -> None:
         """Nothing to check: this run's items and scores come from the same lm-eval call (gate.core.Scores)."""
 

@@ -60,7 +60,9 @@ Kinds of items (Spec):
   the items). The default cap, log 2, says a quantized model that doubles (or halves) a document's
   perplexity is broken on that document whatever the corpus says: a scored document beyond the cap
   fails the gate, naming it, before any bet. Byte perplexity and bits per byte are the same bet by
-  bytes (`unit`), a bits-per-byte allowance of b bits a rise of 2^b - 1.
+  bytes (`unit`), a bits-per-byte allowance of b bits a rise of 2^b - 1. lm-eval's `perplexity`
+  (lambada's: exp of minus the mean log-likelihood of each item's target) is the same bet per item
+  (`unit` "item": every weight 1, so the order is uniform), within a cap per item (DEFAULT_CAPS).
 
 Without replacement (`wor_paths`): a finite test set's items in the uniformly random order `--limit`
 takes them (gate/order.item_order), each once, bet against the mean the remaining items
@@ -94,7 +96,11 @@ from qserve.gate.spending import ALPHA
 from qserve.spec.gates import PERPLEXITY_UNITS
 
 TRUNCATION = 0.5  # c: the paper's suggested truncation (the docstring says why)
-DEFAULT_CAP = math.log(2)  # perplexity: a document whose perplexity doubles or halves fails the gate
+# perplexity: the declared range of a document's loss change per unit. Per word or byte, log 2: a document
+# whose perplexity doubles or halves fails the gate. One item's target (lambada's last word) moves far
+# more than a document's average does (docs/gates.md has the measurement): per item, log 100.
+DEFAULT_CAPS = {"word": math.log(2), "byte": math.log(2), "item": math.log(100)}
+DEFAULT_CAP = DEFAULT_CAPS["word"]
 KINDS = ("binary", "mean", "perplexity")
 NAMED = 5  # documents a failure names at most
 MAX_DRAWS = 100_000  # draws one call makes at most once every document is scored
@@ -111,13 +117,15 @@ class Spec:
     higher_is_better: bool = True  # binary and mean: which way the score is better
     bounds: tuple[float, float] | None = None  # mean: the declared range of a per-item degradation
     cap: float = DEFAULT_CAP  # perplexity: the largest |loss change| per unit a document may show
-    unit: str = "word"  # perplexity: what its log-likelihoods are divided by ("word" or "byte")
+    unit: str = "word"  # perplexity: what its log-likelihoods are divided by ("word", "byte" or "item")
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"a betting spec's kind is one of {', '.join(KINDS)}, not {self.kind!r}")
         if self.unit not in PERPLEXITY_UNITS.values():
-            raise ValueError(f"a perplexity's unit is word or byte, not {self.unit!r}")
+            raise ValueError(
+                f"a perplexity's unit is one of {', '.join(sorted(set(PERPLEXITY_UNITS.values())))}, not {self.unit!r}"
+            )
         lo, hi, delta = self.bet_range()
         if not lo < delta < hi:
             raise ValueError(f"the allowance must lie inside the degradation's range [{lo:g}, {hi:g}]")
@@ -133,6 +141,12 @@ class Spec:
         if self.allowance <= 0:
             raise ValueError(f"a perplexity allowance is a relative rise above 0, not {self.allowance}")
         return -float(self.cap), float(self.cap), math.log1p(self.allowance)
+
+    @property
+    def size_biased(self) -> bool:
+        """A perplexity per word or byte, whose documents come in an order size-biased by them; per
+        item, the order is uniform."""
+        return self.kind == "perplexity" and self.unit != "item"
 
     def as_dict(self) -> dict[str, Any]:
         """As Evidence keeps it: the unit only when it is not words, so evidence gathered before bytes
@@ -237,11 +251,12 @@ def decide(
 
     A population `in_order` is taken without replacement instead: the items after those consumed, in
     its order, while both models scored them, up to `limit` items or the last (which decides exactly):
-    uniformly random for binary and mean specs, size-biased by words (`weights`) for perplexity."""
-    if population.order is not None and (order_seed is not None or (spec.kind == "perplexity") != population.weighted):
+    uniformly random for binary and mean specs and perplexity per item, size-biased by words or bytes
+    (`weights`) for perplexity per word or byte."""
+    if population.order is not None and (order_seed is not None or spec.size_biased != population.weighted):
         raise ValueError(
-            "a population in order is taken as it is (no seed): uniformly random for binary and mean specs, "
-            "size-biased by words for perplexity"
+            "a population in order is taken as it is (no seed): uniformly random for binary and mean specs and "
+            "perplexity per item, size-biased by words (bytes) for perplexity per word (byte)"
         )
     evidence = _start(spec, population, evidence, alpha, order_seed)
     if evidence.decision is not None:
@@ -418,12 +433,18 @@ def wor_paths(
     null = (whole * delta - weighted[:-1]) / (whole - taken[:-1])
     gap = null - mean[:-1]
     kelly = gap / (var[:-1] + gap * gap)
-    tiny = 1e-12 * (hi - lo)  # rounding in m_t: a certainty needs m_t clear of the range
+    # A certainty needs m_t (and at the end the mean) clear of the range by more than the running sums'
+    # rounding: a sequential sum of t items is off by at most about t eps times the magnitudes summed.
+    # (At a population mean of exactly delta, the last items at the range's end leave m_t at it, and
+    # rounding alone would otherwise make a certainty of it.)
     with np.errstate(divide="ignore", invalid="ignore"):
-        bet_pass = np.clip(kelly, 0.0, np.where(hi - null > tiny, TRUNCATION / (hi - null), 0.0))
-        bet_fail = np.clip(-kelly, 0.0, np.where(null - lo > tiny, TRUNCATION / (null - lo), 0.0))
-        step_pass = np.where(null > hi + tiny, np.inf, np.log1p(bet_pass * (null - d)))
-        step_fail = np.where(null < lo - tiny, np.inf, np.log1p(bet_fail * (d - null)))
+        magnitude = max(abs(lo), abs(hi)) * taken + whole * abs(delta)
+        rounding = (t + 2) * np.finfo(float).eps * magnitude / np.maximum(whole - taken, whole / size)
+        tiny = np.maximum(1e-12 * (hi - lo), rounding)
+        bet_pass = np.clip(kelly, 0.0, np.where(hi - null > tiny[:-1], TRUNCATION / (hi - null), 0.0))
+        bet_fail = np.clip(-kelly, 0.0, np.where(null - lo > tiny[:-1], TRUNCATION / (null - lo), 0.0))
+        step_pass = np.where(null > hi + tiny[:-1], np.inf, np.log1p(bet_pass * (null - d)))
+        step_fail = np.where(null < lo - tiny[:-1], np.inf, np.log1p(bet_fail * (d - null)))
     log_pass = np.cumsum(np.concatenate([head * lp0, step_pass]), axis=0)
     log_fail = np.cumsum(np.concatenate([head * lf0, step_fail]), axis=0)
     done = t == size  # every item consumed: the mean is known

@@ -21,6 +21,10 @@ class Scores(Protocol):
         """lm-eval's own higher_is_better for the metric."""
         ...
 
+    def output_type(self, task: str) -> str | None:
+        """lm-eval's output_type for the task as its config in the results states it (None if not stated)."""
+        ...
+
     def score(self, task: str, metric: str) -> tuple[float, float | None, ItemValues | None]:
         """The stated score, its stderr if lm-eval gave one, and the per-item values."""
         ...
@@ -58,6 +62,13 @@ class Pooled:
         if len(ways) != 1:
             raise QserveError(f"group {task}: its tasks disagree on whether higher {metric} is better")
         return ways.pop()
+
+    def output_type(self, task: str) -> str | None:
+        """A group's: its members' one output_type, None if they differ."""
+        if task not in self.groups:
+            return self.scores.output_type(task)
+        found = {self.scores.output_type(m) for m in self.groups[task].members}
+        return found.pop() if len(found) == 1 else None
 
     def score(self, task: str, metric: str) -> tuple[float, float | None, ItemValues | None]:
         if task not in self.groups:
@@ -104,6 +115,12 @@ class Pooled:
         return out
 
 
+def output_type(raw: dict, task: str) -> str | None:
+    """lm-eval's output_type of a task, from the config its results keep (None where they keep none)."""
+    found = ((raw.get("configs") or {}).get(task) or {}).get("output_type")
+    return found if isinstance(found, str) else None
+
+
 def higher_is_better(raw: dict, task: str, metric: str, source: str) -> bool:
     """Which way a metric is better, as lm-eval's results state it (their `higher_is_better`)."""
     value = (raw.get("higher_is_better") or {}).get(task, {}).get(metric.partition(",")[0])
@@ -122,9 +139,10 @@ def decide_gates(
     sizes: dict[str, int] | None = None,
     counts: dict[str, dict[str, dict[int, float]]] | None = None,
 ) -> list[Gate]:
-    """Each task's (or group's) gates; a spec without a metric gates the headline. Scores in [0, 1], and
+    """Each task's (or group's) gates; a spec without a metric gates the headline. Scores in [0, 1],
     corpus perplexities on a task whose documents' `counts` are given (task -> metric -> doc id -> words
-    or bytes, as lm-eval counts them: its order is size-biased by them), are
+    or bytes, as lm-eval counts them: its order is size-biased by them), and lm-eval's `perplexity` on
+    a task of one target per item (lambada's) are
     decided by betting (evidence.py) on the items in the task's seeded order (`sizes`: each task's
     documents, where fewer were scored): at 5 % over every look when each look takes a prefix of that
     order, else at `level`; the rest by stats.py's bounds at one-sided `level`."""
@@ -148,7 +166,8 @@ def decide_gates(
             cmp = stats.compare(metric, better, b, q, level)
             headline = metric == headlines[task]
             weights = (counts or {}).get(task, {}).get(metric.partition(",")[0])  # corpus perplexities' words or bytes
-            if cmp.non_finite or not evidence.bettable(spec, metric, better, b[2], q[2], weights):
+            targets = base.output_type(task) == "loglikelihood"  # one target per item: `perplexity` is per item
+            if cmp.non_finite or not evidence.bettable(spec, metric, better, b[2], q[2], weights, targets):
                 decided.append(decide(task, spec, cmp, headline=headline))
                 continue
             items = evidence.ordered(task, sorted(b[2]), _size(task, groups, sizes), weights)

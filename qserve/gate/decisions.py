@@ -181,10 +181,11 @@ def decide_by_betting(
     where = f"{items.size} items of the task" if items.whole else f"the {items.size} scored items (a claim about them)"
     if items.after:
         where = f"the task's {items.size} items after the first {items.after} of its order (a claim about them)"
-    order = "the seeded order"
-    if items.population.weighted:
-        spec = betting.Spec(**next(iter(found.criteria.values())).evidence.spec)
-        order = f"the seeded order size-biased by {spec.unit}s, on each document's loss change per {spec.unit} (within ±{spec.cap:.3g} nats)"
+    bet, order = betting.Spec(**next(iter(found.criteria.values())).evidence.spec), "the seeded order"
+    if bet.size_biased:
+        order += f" size-biased by {bet.unit}s, on each document's loss change per {bet.unit} (within ±{bet.cap:.3g} nats)"
+    elif bet.kind == "perplexity":
+        order += f", on each item's loss change (within ±{bet.cap:.3g} nats)"
     level = EVERY_LOOK if items.free else f"at {found.alpha:.2%}, this look's share of 5 %"
     status, needed = Status(found.status), None
     reason = (

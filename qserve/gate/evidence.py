@@ -14,10 +14,14 @@ bets on, so no allowance rests on a measured baseline:
   (or byte) within the spec's `cap` (default log 2). A criterion that would rest on the measured
   baseline (`max_drop` in perplexity points; bits_per_byte's `min_recovery` and `max_increase`, shares
   of its baseline's bits) is refused.
+- lm-eval's `perplexity` on a task whose items are one target each (its output_type `loglikelihood`:
+  lambada's last word): the same criteria per item (lm-eval's [loglikelihood, 1]), in the task's
+  uniform seeded order, each item's loss change within the `cap` (default log 100, betting.DEFAULT_CAPS).
 Anything else (unbounded per-item scores) has no declared range yet and is refused.
 `qserve eval` and `qserve gate` decide every gate `bettable` says yes to through `decide_gate`: scores
-in [0, 1], and corpus perplexities with each document's count as lm-eval counts it (`qserve eval`
-counts them before any model runs, `qserve gate` reads them from runs that scored every document).
+in [0, 1], corpus perplexities with each document's count as lm-eval counts it (`qserve eval`
+counts them before any model runs, `qserve gate` reads them from runs that scored every document),
+and `perplexity` per target.
 The rest (runs made elsewhere on part of a task, the criteria refused above) keep stats.py's bounds.
 
 A spec with several criteria passes only when every one passes (an intersection-union test: each at
@@ -69,8 +73,9 @@ def _corpus(gate: GateSpec, name: str) -> dict[str, betting.Spec]:
     rises = allowed_rises(gate, name)
     if on_baseline := sorted(set(gate.criteria()) - set(rises)):
         raise ValueError(f"{', '.join(on_baseline)} on {name} is in units of the measured baseline; no bet is declared before it")
-    cap = betting.DEFAULT_CAP if gate.cap is None else gate.cap
-    return {c: betting.Spec("perplexity", rise, cap=cap, unit=PERPLEXITY_UNITS[name]) for c, rise in rises.items()}
+    unit = PERPLEXITY_UNITS[name]
+    cap = betting.DEFAULT_CAPS[unit] if gate.cap is None else gate.cap
+    return {c: betting.Spec("perplexity", rise, cap=cap, unit=unit) for c, rise in rises.items()}
 
 
 def decide_gate(
@@ -123,7 +128,7 @@ def _check_scores(metric: str, base: dict[Any, Any], quant: dict[Any, Any]) -> N
 
 def counted(metric: str) -> bool:
     """Whether a metric's gate bets on documents size-biased by their words or bytes (a corpus perplexity)."""
-    return metric.partition(",")[0] in PERPLEXITY_UNITS
+    return PERPLEXITY_UNITS.get(metric.partition(",")[0], "item") != "item"
 
 
 def bettable(
@@ -133,20 +138,23 @@ def bettable(
     base: dict[Any, Any] | None,
     quant: dict[Any, Any] | None,
     counts: dict[int, float] | None = None,
+    targets: bool = False,
 ) -> bool:
     """Whether `decide_gate` decides this gate today: per-item scores in [0, 1], higher is better, no
     max_increase; or a corpus perplexity ([loglikelihood, count] per document) with every document's
-    `counts` (words or bytes), by which its order is size-biased, criteria that do not rest on the
-    measured baseline and an allowance inside the cap."""
+    `counts` (words or bytes), by which its order is size-biased, or lm-eval's `perplexity` on a task
+    whose items are one target each (`targets`: its output_type is loglikelihood, not rolling), with
+    criteria that do not rest on the measured baseline and an allowance inside the cap."""
     if not base or not quant:
         return False
-    if counted(metric):
+    if metric.partition(",")[0] in PERPLEXITY_UNITS:
         try:  # a criterion on the measured baseline, or an allowance at or past the cap: stats.py's bound instead
             hypotheses(gate, metric, higher_is_better)
         except ValueError:
             return False
         pairs = list(base.values()) + list(quant.values())
-        return counts is not None and all(isinstance(v, list) and len(v) == 2 for v in pairs)
+        known = counts is not None if counted(metric) else targets
+        return known and all(isinstance(v, list) and len(v) == 2 for v in pairs)
     if not higher_is_better or gate.max_increase is not None:
         return False
     values = list(base.values()) + list(quant.values())

@@ -23,7 +23,7 @@ from typing import Any
 from qserve.checkpoint.opened import Checkpoint
 from qserve.errors import QserveError
 from qserve.gate import evidence, looks, outside, stats
-from qserve.gate.core import Group, decide_gates, higher_is_better
+from qserve.gate.core import Group, decide_gates, higher_is_better, output_type
 from qserve.gate.decisions import Gate, verdict
 from qserve.spec.gates import PERPLEXITY_UNITS, GateSpec, default_gate
 
@@ -305,6 +305,9 @@ class _LmEvalRun:
 
     def higher_is_better(self, task: str, metric: str) -> bool:
         return higher_is_better(self.raw, task, metric, str(self.path))
+
+    def output_type(self, task: str) -> str | None:
+        return output_type(self.raw, task)
 
     def score(self, task: str, metric: str) -> tuple[float, float | None, stats.ItemValues]:
         res = self._task(task)

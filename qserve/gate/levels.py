@@ -306,8 +306,9 @@ def _intro(draws: int, level: float, provenance: str) -> list[str]:
         f"Each cell: how often qserve's gate PASSES a model whose true degradation is exactly the allowance "
         f"(false pass) / how often it passes a good model (power), over {draws} simulated samples of n items. "
         f"0/1 items, and corpus perplexities as `qserve eval` scores them, are decided by betting, at 5 % over every "
-        f"look (at most {limit(draws, ALPHA):.2%} allowed: 5 % + 3 Monte-Carlo SE); the other tables (lambada's "
-        f"perplexity, corpus perplexities of lm-eval runs made elsewhere on part of a task, other per-item means) use the "
+        f"look (at most {limit(draws, ALPHA):.2%} allowed: 5 % + 3 Monte-Carlo SE; lambada's perplexity is the same "
+        f"bet per item, simulated in tests/test_betting_wor.py); the other tables (corpus perplexities of lm-eval runs "
+        f"made elsewhere on part of a task, other per-item means) use the "
         f"bounds of a first look at a checkpoint's weights (one-sided {1 - level:.2%}, at most {level:.2%} + 3 SE = "
         f"{limit(draws, level):.2%} allowed; later looks spend less, so that all of them together stay within 5 %).",
         "",
@@ -364,8 +365,8 @@ def _means_section(rows: list[dict[str, Any]], later: list[dict[str, Any]]) -> l
     out = [
         "## Perplexity, bits per byte and other per-item means (stats.py's bounds)",
         "",
-        "lm-eval's `perplexity` (lambada's), corpus perplexities of lm-eval runs made elsewhere on part of a task (`qserve gate`) "
-        "and per-item means that are not 0/1.",
+        "Corpus perplexities of lm-eval runs made elsewhere on part of a task (`qserve gate`), lm-eval's `perplexity` on a "
+        "rolling task (per document), and per-item means that are not 0/1.",
         "",
         "Power here: a model at half the allowance. Perplexity allowance +5 %. A pass needs the upper bound "
         f"(Student t's critical value t plus {stats.TAIL:g} t^2) under the allowance, n >= {min_items(level)} and "

@@ -199,7 +199,7 @@ def _look_line(record: EvalRecord) -> str | None:
     again = "" if look.counted else f"the same items as look {look.number}, nothing spent; "
     return (
         f"look {look.number} at these weights ({window}{again}{len(look.earlier)} earlier gate runs): "
-        f"gates on scores in [0, 1] and corpus perplexities bet on a prefix of the seeded order at 5 % over every look; other bets and bounds are one-sided {1 - look.level:.2%}, "
+        f"gates on scores in [0, 1] and perplexities bet on a prefix of the seeded order at 5 % over every look; other bets and bounds are one-sided {1 - look.level:.2%}, "
         f"so that all looks together pass a model at its allowance at most 5 % of the time ({GUARANTEE})"
     )
 
@@ -208,8 +208,8 @@ def _look_line(record: EvalRecord) -> str | None:
 GUARANTEE = (
     "for scores in [0, 1], 0/1 included, by betting and Ville's inequality, for every pattern of item scores; "
     "for word and byte perplexity and bits per byte the same, for every loss within the cap of log 2 nats per word "
-    "(per byte) on a document; for lambada's perplexity and other means, for the class of loss shapes docs/gate-levels.md covers "
-    "(tails up to Pareto index 2.5, a loss in at least 5 % of documents)"
+    "(per byte) on a document, and for lambada's perplexity within log 100 nats on an item; for other means, for the class "
+    "of loss shapes docs/gate-levels.md covers (tails up to Pareto index 2.5, a loss in at least 5 % of documents)"
 )
 
 

@@ -23,12 +23,12 @@ class GateSpec(BaseModel):
     min_recovery: float | None = Field(None, gt=0, description="quantized/baseline (baseline/quantized for losses), at most 1")
     max_drop: float | None = Field(None, ge=0, description="largest allowed degradation in the metric's own units")
     max_increase: float | None = Field(None, ge=0, description="lower-is-better metrics: largest relative increase (0.05 = 5%)")
-    # Not a criterion: the range a corpus perplexity's bet is declared in (gate/betting.py; default log 2).
+    # Not a criterion: the range a perplexity's bet is declared in (gate/betting.py DEFAULT_CAPS).
     cap: float | None = Field(
         None,
         gt=0,
         description="word_perplexity (byte_perplexity, bits_per_byte): the largest loss change per word (byte), in nats, "
-        "any one document may show",
+        "any one document may show; perplexity (lambada's): per item",
     )
 
     @model_validator(mode="after")
@@ -120,9 +120,10 @@ def check_allowance(task: str, spec: GateSpec, metric: str) -> None:
         _check_cap(task, spec, name)
 
 
-# Corpus perplexities, by what lm-eval divides their log-likelihoods by: a gate bets per that unit,
-# within a cap on one document's loss change per unit (gate/betting.py).
-PERPLEXITY_UNITS = {"word_perplexity": "word", "byte_perplexity": "byte", "bits_per_byte": "byte"}
+# Perplexities, by what lm-eval divides their log-likelihoods by: a gate bets per that unit, within a
+# cap on one document's loss change per unit (gate/betting.py). lm-eval's `perplexity` (lambada's) is
+# exp(-the mean log-likelihood of each item's target): per item.
+PERPLEXITY_UNITS = {"word_perplexity": "word", "byte_perplexity": "byte", "bits_per_byte": "byte", "perplexity": "item"}
 
 
 def allowed_rises(spec: GateSpec, name: str) -> dict[str, float]:
@@ -137,10 +138,10 @@ def allowed_rises(spec: GateSpec, name: str) -> dict[str, float]:
 
 
 def _check_cap(task: str, spec: GateSpec, name: str) -> None:
-    """A cap is a corpus perplexity's, and must leave room above the allowed rise, or no bet could ever fail."""
+    """A cap is a perplexity's, and must leave room above the allowed rise, or no bet could ever fail."""
     if name not in PERPLEXITY_UNITS:
         raise InvalidSpec(
-            f"gate on {task}: cap bounds a corpus perplexity's per-document loss change ({', '.join(PERPLEXITY_UNITS)}), not {name}"
+            f"gate on {task}: cap bounds a perplexity's per-document loss change ({', '.join(PERPLEXITY_UNITS)}), not {name}"
         )
     if (rises := allowed_rises(spec, name)) and spec.cap <= math.log1p(top := max(rises.values())):
         raise InvalidSpec(
