@@ -242,19 +242,24 @@ def _per_word_population(shape: str, words: np.ndarray, delta: float, cap: float
     return r
 
 
+def _size_biased_false_rates(weights: np.ndarray, delta: float, shape: str, seeds: tuple[int, int]) -> tuple[float, float]:
+    """Over PATHS orders size-biased by `weights` (words or bytes), of per-unit loss changes of one shape
+    inside the log 2 cap whose weighted mean is exactly delta: how often the pass bettor reaches 1/alpha
+    at any item (the supremum Ville bounds, so every stopping rule's), and the fail bettor."""
+    cap, index = math.log(2), WEIGHTED_SHAPES.index(shape)
+    r = _per_word_population(shape, weights, delta, cap, np.random.default_rng([seeds[0], index]))
+    order = _size_biased_orders(weights, PATHS, np.random.default_rng([seeds[1], index]))
+    paths = betting.wor_paths(r[order], -cap, cap, delta, len(weights), None, weights[order], weights.sum())
+    return float(np.mean(_first(paths["log_wealth_pass"]) < NEVER)), float(np.mean(_first(paths["log_wealth_fail"]) < NEVER))
+
+
 @pytest.mark.parametrize("shape", WEIGHTED_SHAPES)
 def test_size_biased_order_level_holds_for_corpus_perplexity_of_every_shape(shape: str) -> None:
     """Corpus perplexity on GSM8K's real answer lengths, in a size-biased order without replacement:
     per-word loss changes inside the log 2 cap whose corpus ratio is exactly the allowance log 1.05 --
     normal, skewed, heavy-tailed, carried by 1, 2 or 5 % of the documents, or growing with length.
     Over 2,000 orders neither bettor reaches 1/alpha at any item more often than the level (+3 SE)."""
-    words = _gsm8k_words()
-    delta, cap = math.log1p(0.05), math.log(2)
-    r = _per_word_population(shape, words, delta, cap, np.random.default_rng([24, WEIGHTED_SHAPES.index(shape)]))
-    order = _size_biased_orders(words, PATHS, np.random.default_rng([25, WEIGHTED_SHAPES.index(shape)]))
-    paths = betting.wor_paths(r[order], -cap, cap, delta, len(words), None, words[order], words.sum())
-    passes = float(np.mean(_first(paths["log_wealth_pass"]) < NEVER))
-    fails = float(np.mean(_first(paths["log_wealth_fail"]) < NEVER))
+    passes, fails = _size_biased_false_rates(_gsm8k_words(), math.log1p(0.05), shape, (24, 25))
     print(f"\nsize-biased order, {shape} at the allowance: false pass {passes}, false fail {fails}")
     assert passes <= LIMIT and fails <= LIMIT
 
@@ -302,12 +307,7 @@ def test_size_biased_by_bytes_level_holds_for_bits_per_byte_of_every_shape(shape
     changes inside the log 2 cap whose byte-weighted mean is exactly the allowance of 0.05 bits per byte,
     in every shape above (length-correlated: by bytes). Over 2,000 orders size-biased by bytes neither
     bettor reaches 1/alpha at any item more often than the level (+3 SE)."""
-    size, cap = _gsm8k_bytes(), math.log(2)
-    r = _per_word_population(shape, size, BYTE_DELTA, cap, np.random.default_rng([34, WEIGHTED_SHAPES.index(shape)]))
-    order = _size_biased_orders(size, PATHS, np.random.default_rng([35, WEIGHTED_SHAPES.index(shape)]))
-    paths = betting.wor_paths(r[order], -cap, cap, BYTE_DELTA, len(size), None, size[order], size.sum())
-    passes = float(np.mean(_first(paths["log_wealth_pass"]) < NEVER))
-    fails = float(np.mean(_first(paths["log_wealth_fail"]) < NEVER))
+    passes, fails = _size_biased_false_rates(_gsm8k_bytes(), BYTE_DELTA, shape, (34, 35))
     print(f"\nsize-biased by bytes, {shape} at 0.05 bits per byte: false pass {passes}, false fail {fails}")
     assert passes <= LIMIT and fails <= LIMIT
 
