@@ -767,6 +767,41 @@ def test_qserve_gate_pools_a_group_lm_eval_ran_outside(tmp_path: Path) -> None:
     assert (gate["baseline"], gate["quantized"]) == (pytest.approx(60 / 80), pytest.approx(55 / 80))
 
 
+def test_qserve_gate_bets_on_lambadas_perplexity_per_item_from_runs_made_outside(tmp_path: Path) -> None:
+    """`qserve gate` on two outside runs of lm-eval's own lambada_openai over every passage (its files as
+    `lm_eval --output_path --log_samples` writes them): the results' configs say its items are one target
+    each, so its perplexity is bet per item within log 100. A model whose every word's loss rose by
+    0.005 nats give or take 0.01 (+0.5 %) passes a 5 % allowance (exit 0)."""
+    import math
+
+    import lm_eval
+    from lm_eval.loggers import EvaluationTracker
+
+    from qserve.evaluate.tasks import config_task_manager
+
+    hub = tmp_path / "datasets"
+    hub_copy_of_lambada(hub)
+    (task,) = get_tasks(["lambada_openai"], datasets=hub)
+    config = lm_eval_config(task, DATA_DIR, hub)
+    for side, worse_by in (("base", lambda i: 0.0), ("quant", lambda i: 0.005 + 0.01 * math.sin(i))):
+        model = scripted_lm(loglikelihood=lambda r, w=worse_by: -1.0 - (r.doc_id % 7) / 2 - w(r.doc_id))
+        results = lm_eval.simple_evaluate(model=model, tasks=[config], task_manager=config_task_manager(), log_samples=True)
+        samples = results.pop("samples")
+        tracker = EvaluationTracker(output_path=str(tmp_path / side))
+        tracker.save_results_aggregated(results=results, samples=samples)
+        tracker.save_results_samples(task_name="lambada_openai", samples=samples["lambada_openai"])
+    proc = run_qserve_in_process(
+        "gate", tmp_path / "base", tmp_path / "quant", "--gate", "lambada_openai:max_increase=0.05", "--json"
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (gate,) = json.loads(proc.stdout)["gates"]
+    assert (gate["metric"], gate["items"], gate["status"]) == ("perplexity,none", 1319, "pass")
+    assert gate["test"] == (
+        "betting without replacement (Waudby-Smith and Ramdas 2020) on 1319 items of the task, in the seeded order, "
+        f"on each item's loss change (within ±{math.log(100):.3g} nats), at 5 % over every look"
+    )
+
+
 def test_run_takes_the_task_folder_and_refuses_a_typo_in_it_before_quantizing(tmp_path: Path) -> None:
     folder = _group_folder(tmp_path, 5)
     out = tmp_path / "out"
