@@ -211,15 +211,45 @@ def word_perplexity_passes(shape: Shape, mean: float, sizes: tuple[int, ...], dr
     return _passed_by(wealth, sizes)
 
 
+def item_population(shape: Shape, mean: float, rng) -> Any:
+    """CORPUS_DOCUMENTS items' loss changes of one shape as mean_sample draws them, each inside 0.95 of
+    the per-item cap, shifted so that their mean is exactly `mean`."""
+    import numpy as np
+
+    cap = betting.DEFAULT_CAPS["item"]
+    r = np.clip(mean_sample(shape, mean, CORPUS_DOCUMENTS, 1, rng)[0][:, 0], -0.95 * cap, 0.95 * cap)
+    return np.clip(r + mean - r.mean(), -cap, cap)
+
+
+def item_perplexity_passes(shape: Shape, mean: float, sizes: tuple[int, ...], draws: int, rng) -> dict[int, Any]:
+    """lm-eval's `perplexity` (lambada's) as `qserve eval` decides it: the same bet per item, within the
+    per-item cap, items drawn uniformly; per n in `sizes`, which runs passed within their first n items."""
+    r = item_population(shape, mean, rng)
+    d = r[rng.integers(0, len(r), size=(max(sizes), draws))]
+    spec = betting.Spec("perplexity", math.expm1(ALLOWANCE), cap=betting.DEFAULT_CAPS["item"], unit="item")
+    return _passed_by(betting.wealth_paths(d, *spec.bet_range()), sizes)
+
+
 def simulate_word_perplexity(draws: int = 2000, sizes: tuple[int, ...] = BINARY_SIZES, seed: int = 0) -> list[dict[str, Any]]:
     """One row per shape (the class of stats.py's bound and the shapes outside it) and n: how often
     betting passes a model at exactly the allowance and one at half of it."""
+    return _simulate_bets(word_perplexity_passes, draws, sizes, seed, 200)
+
+
+def simulate_item_perplexity(draws: int = 2000, sizes: tuple[int, ...] = BINARY_SIZES, seed: int = 0) -> list[dict[str, Any]]:
+    """The same rows for lambada's perplexity, bet per item within log 100."""
+    return _simulate_bets(item_perplexity_passes, draws, sizes, seed, 300)
+
+
+def _simulate_bets(
+    bet: Callable[..., dict[int, Any]], draws: int, sizes: tuple[int, ...], seed: int, stream: int
+) -> list[dict[str, Any]]:
     import numpy as np
 
     rows = []
     for k, shape in enumerate(SHAPES + OUTSIDE):
-        rng = np.random.default_rng([seed, 200 + k])
-        at, half = (word_perplexity_passes(shape, m, sizes, draws, rng) for m in (ALLOWANCE, ALLOWANCE / 2))
+        rng = np.random.default_rng([seed, stream + k])
+        at, half = (bet(shape, m, sizes, draws, rng) for m in (ALLOWANCE, ALLOWANCE / 2))
         rows += [
             {"bound": "betting", "shape": shape.name, "n": n}
             | {"false_pass": float(np.mean(at[n])), "power": float(np.mean(half[n])), "draws": draws, "level": ALPHA}
@@ -287,10 +317,12 @@ def markdown(
     later: list[dict[str, Any]],
     sequence: list[dict[str, Any]],
     words: list[dict[str, Any]],
+    items: list[dict[str, Any]],
 ) -> str:
     """The tables as a page: false pass at the allowance / power, per n."""
     out = _intro(rows[0]["draws"], rows[0]["level"], provenance) + _binary_section(binary) + _word_perplexity_section(words)
-    out += _means_section(rows, later) + _sequence_section(sequence) + _outside_section(tails)
+    out += _item_perplexity_section(items) + _means_section(rows, later) + _sequence_section(sequence)
+    out += _outside_section(tails)
     return "\n".join(out)
 
 
@@ -306,8 +338,8 @@ def _intro(draws: int, level: float, provenance: str) -> list[str]:
         f"Each cell: how often qserve's gate PASSES a model whose true degradation is exactly the allowance "
         f"(false pass) / how often it passes a good model (power), over {draws} simulated samples of n items. "
         f"0/1 items, and corpus perplexities as `qserve eval` scores them, are decided by betting, at 5 % over every "
-        f"look (at most {limit(draws, ALPHA):.2%} allowed: 5 % + 3 Monte-Carlo SE; lambada's perplexity is the same "
-        f"bet per item, simulated in tests/test_betting_wor.py); the other tables (corpus perplexities of lm-eval runs "
+        f"look (at most {limit(draws, ALPHA):.2%} allowed: 5 % + 3 Monte-Carlo SE), and so is lambada's perplexity, "
+        f"per item; the other tables (corpus perplexities of lm-eval runs "
         f"made elsewhere on part of a task, other per-item means) use the "
         f"bounds of a first look at a checkpoint's weights (one-sided {1 - level:.2%}, at most {level:.2%} + 3 SE = "
         f"{limit(draws, level):.2%} allowed; later looks spend less, so that all of them together stay within 5 %).",
@@ -355,6 +387,22 @@ def _word_perplexity_section(rows: list[dict[str, Any]]) -> list[str]:
         f"are examples, not the class. Byte perplexity and bits per byte are the same bet by bytes, with other weights. "
         f"Allowance +5 %; power: a model at half of it; n documents of a task much "
         f"larger than n ({CORPUS_DOCUMENTS:,} documents of 20-200 words, drawn in proportion to their words).",
+        "",
+    ]
+    return out + _shape_tables(rows, (("betting", None),))
+
+
+def _item_perplexity_section(rows: list[dict[str, Any]]) -> list[str]:
+    cap = betting.DEFAULT_CAPS["item"]
+    out = [
+        "## lambada's perplexity (lm-eval's `perplexity` on a task of one target per item) under `qserve eval`",
+        "",
+        f"The same bet per item: each item's loss change within the per-item cap (log 100 = {cap:.3g} nats; an item "
+        f"beyond it fails the gate), items in the task's uniform seeded order. The level holds by Ville's inequality "
+        f"for every distribution within the cap; the shapes are stats.py's class and the two outside it, scaled to "
+        f"the allowance as above. The wide cap is the price: the bets stay small next to it, so a model at half "
+        f"the allowance needs more items than word perplexity's documents. Allowance +5 %; power: a model at half of "
+        f"it; n items of a task much larger than n ({CORPUS_DOCUMENTS:,} items).",
         "",
     ]
     return out + _shape_tables(rows, (("betting", None),))
@@ -465,6 +513,7 @@ def page(draws: int = 2000) -> str:
         later_rows(draws),
         sequence_rows(draws),
         simulate_word_perplexity(draws),
+        simulate_item_perplexity(draws),
     )
 
 
