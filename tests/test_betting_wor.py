@@ -463,7 +463,8 @@ def test_an_order_is_for_binary_and_mean_specs_and_its_own_evidence() -> None:
         betting.decide(base, quant, Spec("binary", 0.04), population, order_seed=3)
     weighted = Population.in_order(order, {i: 10.0 for i in order})
     with pytest.raises(ValueError, match=taken):
-        betting.decide(base, quant, Spec("binary", 0.04), weighted)
+        betting.decide(base, quant, Spec("perplexity", 0.05), Population.in_order(order))
+    assert betting.decide(base, quant, Spec("binary", 0.04), weighted).decision == "pass"  # a group's mean of means
     drawn = betting.decide(base, quant, Spec("binary", 0.04), Population(order), limit=10).evidence
     with pytest.raises(ValueError, match="another population"):
         betting.decide(base, quant, Spec("binary", 0.04), population, drawn)
@@ -497,3 +498,70 @@ def test_items_to_pass_in_order_is_where_decide_passes_4_runs_in_5() -> None:
         passed += got.decision == "pass"
     print(f"\n{n} items: {passed / runs:.1%} of {runs} fresh runs pass")
     assert abs(passed / runs - 0.8) <= 0.09
+
+
+# An lm-eval group whose score is the mean of its tasks' means (weight_by_size false): tasks of mmlu-like
+# sizes, 5 % of every task's items flipping each way, and the smallest task losing `extra` of its items more.
+GROUP_SIZES = np.array([100, 200, 400, 1000])
+
+
+def _group(extra: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each item's 0/1 difference and its weight 1 / its task's size, tasks one after the other."""
+    d, w = [], []
+    for k, n in enumerate(GROUP_SIZES):
+        flips = n // 20
+        lost = flips + (extra if k == 0 else 0)
+        d += [1.0] * lost + [-1.0] * flips + [0.0] * (n - lost - flips)
+        w += [1.0 / n] * n
+    return np.array(d), np.array(w)
+
+
+def _group_first_passes(extra: int, weighted: bool, seed: int) -> np.ndarray:
+    """Over PATHS orders of the group's items (size-biased by 1 / task size, or uniform), the item at which
+    the pass bettor first reaches 1/alpha (NEVER if it does not), the fail bettor not first."""
+    d, w = _group(extra)
+    rng = np.random.default_rng([seed, extra, weighted])
+    keys = rng.exponential(size=(len(d), PATHS)) / (w[:, None] if weighted else 1.0)
+    order = np.argsort(keys, axis=0)
+    args = (None, w[order], float(w.sum())) if weighted else ()
+    paths = betting.wor_paths(d[order], -1.0, 1.0, 0.04, len(d), *args)
+    passed, failed = _first(paths["log_wealth_pass"]), _first(paths["log_wealth_fail"])
+    return np.where(passed < failed, passed, NEVER)
+
+
+def test_a_group_of_tasks_alike_is_bet_on_the_mean_of_their_means() -> None:
+    """The smallest of 4 tasks (100, 200, 400, 1,000 items) loses 16 % of its items net, the rest nothing:
+    the mean of the tasks' means is exactly the allowance of 4 points (16 / 4), while the items pooled lose
+    0.94 points. In the order size-biased by 1 / task size (gate/order.pooled_order) the pass bettor's level
+    holds at any item; a uniform order, as the gate took a group's items before, bets on the pooled mean
+    and passes this group nearly always. At half the allowance (8 % in the smallest task) the weighted bet
+    passes by the group's end."""
+    d, w = _group(16)
+    assert (w * d).sum() / w.sum() == pytest.approx(0.04, abs=1e-15) and d.mean() == pytest.approx(16 / 1700)
+    level = float(np.mean(_group_first_passes(16, True, 1) < NEVER))
+    pooled = float(np.mean(_group_first_passes(16, False, 1) < NEVER))
+    half = _group_first_passes(8, True, 2)
+    power, median = float(np.mean(half < NEVER)), float(np.median(half))
+    print(f"\ngroup of tasks alike: false pass {level:.2%} (uniform order {pooled:.2%}), at half: {power:.1%}, median {median}")
+    assert level <= LIMIT and pooled >= 0.9
+    assert power >= 0.9 and median < len(d)
+
+
+def test_decide_takes_a_group_in_its_pooled_order_and_decides_its_mean_of_means_exactly() -> None:
+    """Every item of the group scored: decide on the population gate/evidence.pooled builds is certain
+    at the end, and on the mean of means, where the uniform order would pass the pooled items."""
+    from qserve.gate.evidence import pooled
+
+    sizes = {"small": 100, "large": 1000}
+    base = {f"small/{i}": 1.0 if i < 12 else 0.0 for i in range(100)} | {f"large/{i}": 0.0 for i in range(1000)}
+    quant = dict.fromkeys(base, 0.0)  # 12 % lost in the small task, none in the large: mean of means 6 %, pooled 1.1 %
+    spec = Spec("binary", 0.04)
+    alike, by_size = pooled("g", sorted(base), sizes, by_size=False), pooled("g", sorted(base), sizes)
+    assert (alike.whole, alike.free, by_size.whole, by_size.free) == (True, True, True, True)
+    assert betting.decide(base, quant, spec, alike.population).decision == "fail"
+    assert betting.decide(base, quant, spec, by_size.population).decision == "pass"
+    first = sorted(by_size.population.order[:50])
+    partial = pooled("g", first, sizes)
+    assert (partial.whole, partial.free, partial.size) == (True, True, 1100)
+    other = pooled("g", sorted(base)[:50], sizes)  # not a prefix of the order: the scored items alone
+    assert (other.whole, other.free, other.size) == (False, False, 50)

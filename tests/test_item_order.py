@@ -9,6 +9,7 @@ import json
 import pytest
 from conftest import DATA_DIR, expected_order, expected_weighted_order, gsm8k_ppl_words
 
+from qserve.errors import QserveError
 from qserve.evaluate.lm_eval_run import Window
 from qserve.evaluate.tasks import get_tasks, lm_eval_config
 from qserve.gate import looks
@@ -68,3 +69,35 @@ def test_a_look_in_file_order_is_not_the_same_items_as_a_seeded_one() -> None:
     assert looks.number([old], seeded) == (2, True)
     assert looks.number([old, seeded | {"decided_at": "2026-12-02T00:00:00+00:00"}], seeded) == (2, False)
     assert json.loads(looks.evidence(old))[-1] is None
+
+
+def test_a_groups_tasks_take_a_prefix_of_the_groups_pooled_order(config: dict) -> None:
+    """The tasks of a group gated as one take the first N of one order of the group's items (docs/gates.md:
+    `task/doc id` sorted by sha256 of "0<NUL>group<NUL>task/id"): N items of the group, not N per task; a
+    larger N and a later block continue it; a task may get none; the baseline cache tells them apart."""
+    import hashlib
+
+    from qserve.gate.core import Group
+
+    other = config | {"task": "gsm8k_again"}
+    group = Group("g", (TASK, "gsm8k_again"), (("exact_match,strict-match", True),))
+    keys = [f"{t}/{i}" for t in (TASK, "gsm8k_again") for i in range(1319)]
+    order = sorted(keys, key=lambda k: hashlib.sha256(f"0\0g\0{k}".encode()).digest())
+
+    def split(block: list[str]) -> dict[str, tuple[int, ...]]:
+        return {
+            t: tuple(sorted(int(k.rpartition("/")[2]) for k in block if k.rpartition("/")[0] == t)) for t in (TASK, "gsm8k_again")
+        }
+
+    window = Window.select(100, 0, [config, other], {"g": group})
+    assert window.ids == split(order[:100]) and sum(map(len, window.ids.values())) == 100
+    assert window.block(40).ids == split(order[40:100]) and window.block(40).offset == 40
+    assert Window.select(60, 100, [config, other], {"g": group}).ids == split(order[100:160])
+    alone = Window.select(100, 0, [config])
+    assert window.key(TASK) != alone.key(TASK) and window.key(TASK).startswith(alone.key(TASK))
+    first = Window.select(1, 0, [config, other], {"g": group})
+    assert first.scored() == {order[0].rpartition("/")[0]}  # the other task has no item: it is left out of the run
+    with pytest.raises(ValueError, match="leave them out of the run"):
+        first.lm_eval([TASK, "gsm8k_again"])
+    with pytest.raises(QserveError, match="^task gsm8k is in both groups g and h; with --limit each group samples its own"):
+        Window.select(100, 0, [config, other], {"g": group, "h": Group("h", (TASK,), group.aggregate)})

@@ -306,6 +306,49 @@ def test_a_group_in_a_task_folder_is_one_gate_over_its_tasks_pooled_items(passed
         assert f"| {t} | acc,none | {per_task} | {b:.4f} | {q:.4f} |" in report
 
 
+def _pooled_prefix(group: str, sizes: dict[str, int], n: int) -> dict[str, list[int]]:
+    """The first n items of a group's pooled order as docs/gates.md states it, by task: `task/doc id`
+    sorted by sha256 of "0<NUL>group<NUL>task/id" (lm-eval weighs the group's tasks by size)."""
+    keys = sorted(
+        (f"{t}/{i}" for t, size in sizes.items() for i in range(size)),
+        key=lambda k: hashlib.sha256(f"0\0{group}\0{k}".encode()).digest(),
+    )
+    return {t: sorted(int(k.rpartition("/")[2]) for k in keys[:n] if k.rpartition("/")[0] == t) for t in sizes}
+
+
+@pytest.mark.slow
+@pytest.mark.matrix  # four engine starts: make test-matrix (CI runs it after make test)
+def test_a_groups_limit_takes_a_prefix_of_its_pooled_order_and_a_larger_one_continues_it(checkpoints, tmp_path: Path) -> None:
+    """`--tasks halves --limit 1` scores the first item of the group's pooled order, half_b's (half_a gets
+    none, and is not run), and the gate bets on it as a sample of the group's 200 items at 5 % over every
+    look; `--limit 6` scores items 1-5 alone (half_a's first among them) and joins them. Six items cannot decide a 5-point
+    max_drop (each item multiplies the pass wealth by at most 1 + (1 + m) / 2 / (1 - m), the fail wealth
+    by at most 1 + (1 - m) / 2 / (1 + m), with m the mean the items not yet taken would need, within
+    5 / 194 of 0.05), so both exit 4 on every kernel. The embedded model in FP8 dynamic."""
+    per_task, size = 100, 200
+    high, low = (size * 0.05 + 5) / (size - 5), (size * 0.05 - 5) / (size - 5)
+    assert (1 + (1 + high) / 2 / (1 - high)) ** 6 < 20 and (1 + (1 - low) / 2 / (1 + low)) ** 6 < 20
+    folder = _group_folder(tmp_path, per_task)
+    ckpt = copy_checkpoint(checkpoints["fp8"], tmp_path / "ckpt")
+    sizes = {"half_a": per_task, "half_b": per_task}
+    args = ("--tasks", "halves", "--include-path", folder, "--gate", "halves:max_drop=0.05", "--no-parity", "--json")
+    env = {"QSERVE_CACHE_DIR": str(tmp_path / "cache")}  # looks at the FP8 weights stay out of the shared ledger
+    records = []
+    for limit in (1, 6):
+        proc = run_qserve_in_process("eval", ckpt, *args, "--limit", str(limit), env=env)
+        assert proc.returncode == 4, proc.stderr[-3000:]
+        records.append((json.loads(proc.stdout), proc.stderr))
+    for (record, _), limit in zip(records, (1, 6)):
+        assert record["doc_ids"] == _pooled_prefix("halves", sizes, limit)
+        (gate,) = record["gates"]
+        assert (gate["task"], gate["items"], gate["status"]) == ("halves", limit, "inconclusive")
+        assert gate["test"].endswith("at 5 % over every look") and f"on {size} items of the task" in gate["test"]
+    assert _pooled_prefix("halves", sizes, 1) == {"half_a": [], "half_b": [98]}
+    assert "lm-eval on the quantized checkpoint: half_b (limit 1, a seeded sample)" in records[0][1]
+    assert "continuing the record of --limit 1: items 1-5 of each task scored now" in records[1][1]
+    assert [look["limit"] for look in records[1][0]["look"]["history"]] == [1, 6]
+
+
 def test_offline_without_a_copy_is_one_error_line_naming_the_dataset(tmp_path: Path) -> None:
     """Offline, a registered task whose hub dataset has no local copy ends before any engine starts."""
     datasets = tmp_path / "datasets"

@@ -60,7 +60,8 @@ LimitOpt = Annotated[
         "-l",
         min=1,
         help="Evaluate N items of each task: the first N of a seeded random order of its documents, fixed per task, "
-        "so a larger N keeps a smaller one's items (and after the checkpoint's record of a smaller N, scores only the rest).",
+        "so a larger N keeps a smaller one's items (and after the checkpoint's record of a smaller N, scores only the rest). "
+        "A group gated as one (mmlu) takes N items of the group: the first N of one order of its tasks' items.",
     ),
 ]
 GateOpt = Annotated[

@@ -26,7 +26,7 @@ from qserve.evaluate.tasks import Resolved, Task, dataset_copies, datasets_dir, 
 from qserve.gate import looks, reports
 from qserve.gate.core import Group, decide_gates
 from qserve.gate.decisions import Gate, Status, verdict
-from qserve.gate.order import ORDER
+from qserve.gate.order import GROUPS, ORDER
 from qserve.gate.records import read_eval, resolve_checkpoint
 from qserve.gate.schema import EvalRecord
 from qserve.models.sources import ModelRef, baseline_model
@@ -134,9 +134,9 @@ def evaluate_round(
     checkpoint's record of a smaller --limit of the same request is continued so (`stored`)."""
     options = options or EvalOptions()
     plan = _plan(checkpoint, options)
-    window = Window.select(options.limit, options.offset, list(plan.configs.values()))
+    window = Window.select(options.limit, options.offset, list(plan.configs.values()), plan.groups)
     earlier = earlier or stored(plan, options, window)
-    scoring, block = plan, window
+    scoring, block = _with_items(plan, window), window
     if earlier is not None:
         scoring, block = _after(plan, window, earlier.upto)
     started = time.monotonic()
@@ -147,7 +147,7 @@ def evaluate_round(
         same_prompting(quant.raw, base.raw)  # this block's prompts, before they join the earlier ones
         quant, base = join(earlier.quant, quant), join(earlier.base, base)
     prompted = same_prompting(quant.raw, base.raw)
-    for task in plan.tasks:
+    for task in (t for t in plan.tasks if t.name in base.raw.get("results", {})):
         baselines.check_sane(plan.manifest.source_model["id"], task.name, task.metric, base.score(task.name, task.metric)[0])
     look = _look(plan, options)
     decided = decide_gates(
@@ -160,7 +160,7 @@ def evaluate_round(
     summary = _summary(plan, base_side, outcome, options)
     summary |= {
         "offset": options.offset,
-        "order": _order(options),
+        "order": _order(options, plan),
         "purpose": options.purpose,
         "look": look,
         "request": _request(plan, options),
@@ -205,7 +205,7 @@ def stored(plan: _Plan, options: EvalOptions, window: Window) -> Scored | None:
     record = _continuable(plan, options)
     if record is None or not (upto := record.limit or 0) < window.limit:
         return None
-    if not any(len(ids) > upto for ids in (window.ids or {}).values()):
+    if not window.block(upto).scored():
         return None
     path = plan.ckpt / ITEMS_NAME
     text = path.read_text() if path.is_file() else ""
@@ -244,12 +244,16 @@ def _after(plan: _Plan, window: Window, upto: int) -> tuple[_Plan, Window]:
     the tasks with none left."""
     if window.limit is None or window.offset or not 0 < upto < window.limit:
         raise ValueError(f"a later round scores items {upto} on of a --limit above them from the first, not {window.key()}")
-    ids = window.ids or {}
-    todo = {name: config for name, config in plan.configs.items() if len(ids[name]) > upto}
-    if not todo:
+    block = window.block(upto)
+    if not block.scored():
         raise ValueError(f"every task has at most {upto} items: a later round would score nothing")
-    scoring = replace(plan, configs=todo)
-    return scoring, Window.select(window.limit - upto, upto, list(todo.values()))
+    return _with_items(plan, block), block
+
+
+def _with_items(plan: _Plan, window: Window) -> _Plan:
+    """The plan of the tasks with items in `window` (a group's pooled order may leave a task none)."""
+    scored = window.scored()
+    return plan if scored is None else replace(plan, configs={n: c for n, c in plan.configs.items() if n in scored})
 
 
 @dataclass
@@ -270,7 +274,12 @@ def _look(plan: _Plan, options: EvalOptions) -> dict[str, Any]:
     if options.purpose != "gate":
         return {"number": None, "level": looks.level(1), "earlier": [], "counted": False}
     earlier = looks.earlier(plan.manifest, _travelled_history(plan))
-    scored = {"tasks": [t.name for t in plan.tasks], "limit": options.limit, "offset": options.offset, "order": _order(options)}
+    scored = {
+        "tasks": [t.name for t in plan.tasks],
+        "limit": options.limit,
+        "offset": options.offset,
+        "order": _order(options, plan),
+    }
     number, new = looks.number(earlier, scored)
     if earlier:
         again = "" if new else f", the same items as look {number}: decided again at its level"
@@ -286,9 +295,12 @@ def _look(plan: _Plan, options: EvalOptions) -> dict[str, Any]:
     }
 
 
-def _order(options: EvalOptions) -> str | None:
-    """How the items were picked: qserve's seeded order when limited (gate/order.ORDER), None for all."""
-    return ORDER if options.limit is not None else None
+def _order(options: EvalOptions, plan: _Plan) -> str | None:
+    """How the items were picked: qserve's seeded order when limited (gate/order.ORDER, and GROUPS where
+    a group's tasks take a prefix of its pooled order), None for all."""
+    if options.limit is None:
+        return None
+    return f"{ORDER}; {GROUPS}" if plan.groups else ORDER
 
 
 def _doc_ids(plan: _Plan, quant: EngineRun, base: EngineRun) -> dict[str, list[int]]:
@@ -338,7 +350,7 @@ def _request(plan: _Plan, options: EvalOptions) -> dict[str, Any]:
             "task_configs": {n: baselines.with_data_hashes(c) for n, c in plan.configs.items()},
             "limit": options.limit,
             **({"offset": options.offset} if options.offset else {}),
-            **({"order": _order(options)} if options.limit is not None else {}),
+            **({"order": _order(options, plan)} if options.limit is not None else {}),
             "gates": {n: [s.model_dump() for s in specs] for n, specs in plan.specs.items()},
             "parity": options.check_parity,
             "lm_eval": plan.lm_eval.resolved(),  # simple_evaluate's keywords, the same on both models
@@ -454,7 +466,7 @@ def _baseline_side(plan: _Plan, window: Window, refresh: bool) -> _Baseline:
     device, scoring = detect.fingerprint(plan.device), _scoring(plan)
     asked = plan.lm_eval.resolved()
     keys = {
-        n: baselines.task_key(sha, cfg, window.key(), kwargs, device, scoring=scoring, lm_eval=asked)
+        n: baselines.task_key(sha, cfg, window.key(n), kwargs, device, scoring=scoring, lm_eval=asked)
         for n, cfg in plan.configs.items()
     }
     cached = {} if refresh else {n: e for n, k in keys.items() if (e := baselines.lookup(k))}

@@ -3,10 +3,11 @@ and per-item values kept for the paired noise estimate."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from qserve.errors import QserveError
 from qserve.evaluate import fallback
 from qserve.evaluate.tasks import config_task_manager, task_counts, task_size
 from qserve.gate import core, stats
-from qserve.gate.order import ORDER, WORDS, item_order, weighted_order
+from qserve.gate.order import GROUPS, ORDER, WORDS, item_order, pooled_order, split_pooled, weighted_order
 from qserve.gate.stats import ItemValues
 from qserve.progress import step
 from qserve.spec.lm_eval_args import LmEvalArgs
@@ -59,31 +60,67 @@ class EngineRun:
 @dataclass(frozen=True)
 class Window:
     """Which items an eval scores: all (no limit), or per task the `limit` documents from `offset` on
-    in its seeded order (gate/order.py: a held-out set when offset; built by `select`)."""
+    in its seeded order (gate/order.py: a held-out set when offset; built by `select`). The tasks of an
+    lm-eval group gated as one take theirs from the group's pooled order instead: `limit` items of the
+    group, so that each look is a prefix of one order the gate bets on (gate/order.pooled_order)."""
 
     limit: int | None
     offset: int = 0
-    ids: dict[str, tuple[int, ...]] | None = None  # task -> lm-eval doc ids scored, when limited
+    ids: dict[str, tuple[int, ...]] | None = None  # task -> lm-eval doc ids scored, when limited (possibly none)
     sizes: dict[str, int] | None = None  # task -> its documents, when limited (the population the gate bets on)
     # task -> corpus perplexity -> doc id -> its words or bytes (tasks.task_counts): the weights its gate
     # bets by; a task reporting word perplexity takes its order size-biased by the words
     counts: dict[str, dict[str, dict[int, float]]] | None = None
+    orders: dict[str, list[Any]] | None = None  # task, or group pooling its tasks' items -> its seeded order
+    pooled: dict[str, str] | None = None  # task -> the group whose pooled order takes its items
 
     @classmethod
-    def select(cls, limit: int | None, offset: int, configs: list[dict[str, Any]]) -> Window:
+    def select(
+        cls, limit: int | None, offset: int, configs: list[dict[str, Any]], groups: dict[str, core.Group] | None = None
+    ) -> Window:
         """The window over these complete task configs; a limit counts each task's documents first."""
         counts = {c["task"]: found for c in configs if (found := task_counts(c))}
         if limit is None:
             return cls(None, offset, counts=counts)
         words = {t: by_metric[WORDS] for t, by_metric in counts.items() if WORDS in by_metric}
         sizes = {c["task"]: len(words[c["task"]]) if c["task"] in words else task_size(c) for c in configs}
-        orders = {t: weighted_order(t, words[t]) if t in words else item_order(t, n) for t, n in sizes.items()}
-        ids = {task: tuple(sorted(order[offset : offset + limit])) for task, order in orders.items()}
-        return cls(limit, offset, ids, sizes, counts)
+        pooled = _pooled(groups or {}, set(sizes) - set(words))
+        orders: dict[str, list[Any]] = {
+            t: weighted_order(t, words[t]) if t in words else item_order(t, n) for t, n in sizes.items() if t not in pooled
+        }
+        for name, group in (groups or {}).items():
+            if members := {m: sizes[m] for m in group.members if pooled.get(m) == name}:
+                orders[name] = pooled_order(name, members, dict(group.aggregate).get(group.metric, True))
+        return cls(limit, offset, None, sizes, counts, orders, pooled).block(offset)
 
-    def key(self) -> str | None:
-        """For the baseline cache: which items, by rule and range (None: every document)."""
-        return None if self.limit is None else f"{ORDER}[{self.offset}:{self.offset + self.limit}]"
+    def block(self, start: int) -> Window:
+        """Items `start` .. offset + limit - 1 of each order: what a later round scores after the first `start`."""
+        if self.limit is None or self.orders is None or not 0 <= start - self.offset < self.limit:
+            raise ValueError(f"a block starts inside a limited window, not at {start} of {self.key()}")
+        end = self.offset + self.limit
+        ids: dict[str, list[int]] = {t: [] for t in self.sizes or {}}
+        for unit, order in self.orders.items():
+            if unit in ids:
+                ids[unit] += order[start:end]
+            else:  # a group: its items by member
+                for member, docs in split_pooled(order[start:end]).items():
+                    ids[member] += docs
+        return replace(self, limit=end - start, offset=start, ids={t: tuple(sorted(d)) for t, d in ids.items()})
+
+    def scored(self) -> set[str] | None:
+        """The tasks with items to score (a group's task may have none in a block); None: every task."""
+        return None if self.ids is None else {t for t, docs in self.ids.items() if docs}
+
+    def key(self, task: str | None = None) -> str | None:
+        """For the baseline cache: which items of `task`, by rule and range (None: every document); a
+        group's task by the doc ids themselves, which the group's other tasks decide."""
+        if self.limit is None:
+            return None
+        where = f"{ORDER}[{self.offset}:{self.offset + self.limit}]"
+        if task is None or task not in (self.pooled or {}):
+            return where
+        docs = hashlib.sha256(json.dumps((self.ids or {}).get(task, ())).encode()).hexdigest()[:16]
+        return f"{where} of group {(self.pooled or {})[task]} ({GROUPS}): doc ids {docs}"
 
     def describe(self) -> str:
         if self.offset:
@@ -96,7 +133,23 @@ class Window:
             return {}
         if self.ids is None or set(tasks) - set(self.ids):
             raise ValueError("a limited window selects each task's items first: build it with Window.select")
+        if empty := [t for t in tasks if not self.ids[t]]:
+            raise ValueError(f"no items of {', '.join(empty)} in this window: leave them out of the run")
         return {"samples": {t: list(self.ids[t]) for t in tasks}}
+
+
+def _pooled(groups: dict[str, core.Group], tasks: set[str]) -> dict[str, str]:
+    """task -> the group gated as one whose pooled order takes its items (a task of two such groups
+    would have two samples: refused)."""
+    out: dict[str, str] = {}
+    for name, group in groups.items():
+        for member in group.members:
+            if member in tasks and out.setdefault(member, name) != name:
+                raise QserveError(
+                    f"task {member} is in both groups {out[member]} and {name}; with --limit each group samples its own "
+                    "items, so gate them in separate evals"
+                )
+    return out
 
 
 @dataclass(frozen=True)
@@ -232,8 +285,9 @@ def join(earlier: EngineRun, later: EngineRun) -> EngineRun:
             if task in later.raw.get(section, {}):
                 raw.setdefault(section, {})[task] = later.raw[section][task]
         counts = [run.raw.get("n-samples", {}).get(task, {}) for run in (earlier, later)]
-        if all(counts):
-            raw.setdefault("n-samples", {})[task] = counts[1] | {"effective": counts[0]["effective"] + counts[1]["effective"]}
+        if counts[1]:  # a group's task may have had no items before this block
+            effective = counts[0].get("effective", 0) + counts[1]["effective"]
+            raw.setdefault("n-samples", {})[task] = counts[1] | {"effective": effective}
         hashes = [run.raw.get("task_hashes", {}).get(task, "") for run in (earlier, later)]
         raw.setdefault("task_hashes", {})[task] = hash_string("".join(hashes)) if hashes[0] else hashes[1]
     return EngineRun(raw, items, earlier.seconds + later.seconds, later.extra)

@@ -252,11 +252,11 @@ def decide(
     A population `in_order` is taken without replacement instead: the items after those consumed, in
     its order, while both models scored them, up to `limit` items or the last (which decides exactly):
     uniformly random for binary and mean specs and perplexity per item, size-biased by words or bytes
-    (`weights`) for perplexity per word or byte."""
-    if population.order is not None and (order_seed is not None or spec.size_biased != population.weighted):
+    (`weights`) for perplexity per word or byte. Binary and mean specs may be size-biased too: the
+    bet is then on the weighted mean (an lm-eval group whose score is the mean of its tasks' means)."""
+    if population.order is not None and (order_seed is not None or (spec.size_biased and not population.weighted)):
         raise ValueError(
-            "a population in order is taken as it is (no seed): uniformly random for binary and mean specs and "
-            "perplexity per item, size-biased by words (bytes) for perplexity per word (byte)"
+            "a population in order is taken as it is (no seed), and perplexity per word (byte) only size-biased by words (bytes)"
         )
     evidence = _start(spec, population, evidence, alpha, order_seed)
     if evidence.decision is not None:

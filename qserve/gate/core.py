@@ -4,6 +4,7 @@ same outputs get the same decision whichever command reads them."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -170,11 +171,28 @@ def decide_gates(
             if cmp.non_finite or not evidence.bettable(spec, metric, better, b[2], q[2], weights, targets):
                 decided.append(decide(task, spec, cmp, headline=headline))
                 continue
-            items = evidence.ordered(task, sorted(b[2]), _size(task, groups, sizes), weights)
+            items = _population(task, sorted(b[2]), metric, groups, sizes, weights)
             alpha = evidence.ALPHA if items.free else level
             found = evidence.decide_gate(b[2], q[2], spec, metric, better, items.population, alpha=alpha)
             decided.append(decide_by_betting(task, spec, cmp, found, items, headline=headline))
     return decided
+
+
+def _population(
+    task: str, scored: list[str], metric: str, groups: dict[str, Group], sizes: dict[str, int] | None, weights: dict | None
+) -> evidence.Ordered:
+    """The items a gate bets on: a task's (evidence.ordered), or a group's pooled (evidence.pooled) over its
+    tasks' documents: as `sizes` states them, else (every document scored) the items each task reported."""
+    total = _size(task, groups, sizes)
+    if task not in groups:
+        return evidence.ordered(task, scored, total, weights)
+    group = groups[task]
+    members = {m: sizes[m] for m in group.members if m in (sizes or {})}
+    if not members:
+        if total is not None and total != len(scored):  # lm-eval's own --limit: the first in file order
+            return evidence.ordered(task, scored, total)
+        members = dict(Counter(key.rpartition("/")[0] for key in scored))
+    return evidence.pooled(task, scored, members, dict(group.aggregate).get(metric, True))
 
 
 def _size(task: str, groups: dict[str, Group], sizes: dict[str, int] | None) -> int | None:

@@ -6,7 +6,8 @@ bets on, so no allowance rests on a measured baseline:
 - scores per item in [0, 1], higher is better (lm-eval's acc, acc_norm, exact_match, f1, ...):
   `max_drop` a bets on b_i - q_i against a (0/1 scores: the binary spec); `min_recovery` r bets on
   r b_i - q_i against 0 in [-1, r], since mean q > r mean b is recovery above r, exactly. The items
-  are taken without replacement in the task's seeded order (`Population.in_order`).
+  are taken without replacement in the task's seeded order (`Population.in_order`); a group's pooled
+  items in the group's order (`pooled`), size-biased by 1 / task size where lm-eval weighs its tasks alike.
 - corpus perplexities (word_perplexity by words, byte_perplexity and bits_per_byte by bytes; lm-eval's
   per-document [loglikelihood, count]): `min_recovery` r lets the corpus perplexity rise by 1/r - 1,
   `max_increase` a by a, and on bits_per_byte `max_drop` b bits per byte is a byte perplexity rise of
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qserve.gate import betting
-from qserve.gate.order import in_seeded_order, item_order, weighted_order
+from qserve.gate.order import in_seeded_order, item_order, pooled_order, pooled_weights, weighted_order
 from qserve.gate.spending import ALPHA
 from qserve.spec.gates import PERPLEXITY_UNITS, GateSpec, allowed_rises
 
@@ -179,8 +180,8 @@ class Ordered:
 def ordered(task: str, scored: list[str], size: int | None, counts: dict[int, float] | None = None) -> Ordered:
     """The population for `scored` doc ids of `task` with `size` documents: when they are the first items
     of the task's seeded order (what --limit takes), that whole order, a uniformly random order of the
-    documents fixed before any score; otherwise (an --offset, file order, or an lm-eval group's pooled
-    `member/doc` keys) the scored items alone, in the seeded order. With `counts` (every document's words
+    documents fixed before any score; otherwise (an --offset, or file order) the scored items alone, in
+    the seeded order. A group gated as one: `pooled`. With `counts` (every document's words
     or bytes), the order is size-biased by them (gate/order.weighted_order)."""
     if counts is not None:
         return _size_biased(task, scored, counts)
@@ -191,6 +192,20 @@ def ordered(task: str, scored: list[str], size: int | None, counts: dict[int, fl
     own = in_seeded_order(task, scored)
     whole = size is None or len(own) == size
     return Ordered(betting.Population.in_order(own), len(own), whole, whole)
+
+
+def pooled(group: str, scored: list[str], sizes: dict[str, int], by_size: bool = True) -> Ordered:
+    """The population of a group gated as one: its tasks' items (`member/doc id`; `sizes`: each member's
+    documents) in the group's pooled order (gate/order.pooled_order), the whole group when `scored` is a
+    prefix of it (what `qserve eval --limit` takes). Weighted by 1 / member size where lm-eval weighs its
+    members alike (not `by_size`), so the bet is on the mean of their means, the group's score. Any other
+    set (lm-eval's own --limit, in file order) is the scored items alone, in the seeded order."""
+    order = pooled_order(group, sizes, by_size)
+    if set(order[: len(scored)]) == set(scored):
+        population = betting.Population.in_order(order, None if by_size else pooled_weights(sizes))
+        return Ordered(population, len(order), True, True)
+    own = in_seeded_order(group, scored)
+    return Ordered(betting.Population.in_order(own), len(own), False, False)
 
 
 def _size_biased(task: str, scored: list[str], counts: dict[int, float]) -> Ordered:

@@ -46,7 +46,7 @@ def format_table(record: EvalRecord) -> str:
         lines.append("EMULATED: scores come from transformers, not vLLM")
     if _look_line(record):
         lines.append(_look_line(record))
-    limit = f" on {record.limit} items per task{_sampled(record)}" if record.limit else ""
+    limit = f" on {record.limit} items per task{_per_group(record)}{_sampled(record)}" if record.limit else ""
     lines.append(f"verdict: {record.verdict.upper()}{limit}")
     return "\n".join(lines)
 
@@ -83,7 +83,7 @@ def _verdict_section(record: EvalRecord) -> list[str]:
         f"# qserve eval: {Path(record.checkpoint or '').name}",
         "",
         f"**Verdict: {record.verdict.upper()}** (decided {record.decided_at}"
-        + (f", {record.limit} items per task{_sampled(record)}" if record.limit else "")
+        + (f", {record.limit} items per task{_per_group(record)}{_sampled(record)}" if record.limit else "")
         + ")",
         "",
     ]
@@ -181,6 +181,11 @@ def _kl_line(record: EvalRecord) -> str | None:
         f"screening (not a gate): mean KL(baseline || checkpoint) {kl.mean_nats:.4f} nats per token "
         f"over {kl.positions} positions of the parity prompts"
     )
+
+
+def _per_group(record: EvalRecord) -> str:
+    """A limited eval's groups gated as one took their N from the group's pooled order (gate/order.pooled_order)."""
+    return " and group" if record.groups and record.order and "pooled" in record.order else ""
 
 
 def _sampled(record: EvalRecord) -> str:
