@@ -36,7 +36,7 @@ def time_demo(work_dir: Path, data_dir: Path) -> dict[str, Any]:
 
     repo = _checkout()
     work_dir.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix="demo-", dir=work_dir))  # this command's own, removed at the end
+    scratch = Path(tempfile.mkdtemp(prefix="demo-", dir=work_dir)).resolve()  # this command's own, removed at the end
     try:
         clone, cache = scratch / "clone", scratch / "cache"
         subprocess.run(["git", "clone", "--quiet", str(repo), str(clone)], check=True)
