@@ -17,7 +17,8 @@ from conftest import DATA_DIR, REPO, copy_checkpoint, run_qserve_in_process, sma
 from qserve.checkpoint.manifest import LM_EVAL_RESULTS_NAME, hash_files, write_manifest
 from qserve.errors import QserveError
 from qserve.evaluate.tasks import LmEvalTask, get_tasks, lm_eval_config, resolve_tasks
-from qserve.gate.core import Group, Pooled
+from qserve.gate.core import Group, Pooled, decide_gates, group
+from qserve.spec.gates import GateSpec
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
@@ -199,6 +200,37 @@ def test_mmlu_resolves_to_its_57_subjects_gated_as_one_group() -> None:
     assert resolved.units == ["mmlu", "mmlu_anatomy"]
 
 
+def test_a_group_of_the_leaderboards_tasks_gates_each_metric_its_tasks_are_scored_by(tmp_path: Path) -> None:
+    """lm-eval's Open LLM Leaderboard group states acc (mmlu_pro's alone), acc_norm (bbh, gpqa, musr),
+    exact_match (math) and ifeval's four: a gate naming no metric gates acc and acc_norm here (math and
+    ifeval need packages this environment lacks, so the folder's group leaves them out), each over the
+    tasks that report it."""
+    import lm_eval
+
+    board = yaml.safe_load((Path(lm_eval.__file__).parent / "tasks" / "leaderboard" / "leaderboard.yaml").read_text())
+    folder = tmp_path / "board"
+    folder.mkdir()
+    members = ["leaderboard_mmlu_pro", "leaderboard_bbh", "leaderboard_gpqa", "leaderboard_musr"]
+    group = {"group": "board", "task": members, "aggregate_metric_list": board["aggregate_metric_list"]}
+    (folder / "_board.yaml").write_text(yaml.safe_dump(group))
+    resolved = resolve_tasks(["board"], include_path=folder)
+    found = resolved.groups["board"]
+    assert found.gated == ("acc,none", "acc_norm,none")
+    assert found.reporters("acc,none") == ("leaderboard_mmlu_pro",)
+    assert found.reporters("acc_norm,none") == tuple(t.name for t in resolved.tasks if t.name != "leaderboard_mmlu_pro")
+    assert found.reporters("exact_match,none") == ()
+
+
+def test_a_groups_gate_without_a_metric_reaches_each_member_by_its_own_headline() -> None:
+    """After the group's headline, the first member no earlier metric reaches is gated on its own headline
+    where the group aggregates it (c's), not on the first aggregate metric it reports (b)."""
+    aggregate = [("a,none", True), ("b,none", True), ("c,none", True), ("d,none", True)]
+    reporting = {"a,none": ["t1"], "b,none": ["t2", "t3"], "c,none": ["t2"], "d,none": ["t3"]}
+    found = group("g", ["t1", "t2", "t3"], aggregate, reporting, {"t1": "a,none", "t2": "c,none", "t3": "x,none"})
+    assert found.gated == ("a,none", "c,none", "b,none")  # t3 reports b and d, its own headline neither: b, the first
+    assert group("g", ["t1"], aggregate[:1], {"a,none": ["t1"]}, {}).gated == ("a,none",)
+
+
 class _Scores:
     """Per-task stated scores and items, as one model's lm-eval output gives them (gate.core.Scores)."""
 
@@ -234,10 +266,47 @@ def test_a_group_pools_its_tasks_items_and_states_lm_evals_aggregate() -> None:
         Pooled(scores, {"g": Group("g", ("c",), (("acc,none", True),))}).score("g", "acc,none")
 
 
+class _ScoresByMetric(_Scores):
+    """_Scores whose tasks report only the metrics given for them (task -> metric -> items)."""
+
+    def __init__(self, tasks: dict[str, dict[str, dict[str, float]]]) -> None:
+        self.by_metric = tasks
+
+    def score(self, task: str, metric: str):
+        if metric not in self.by_metric.get(task, {}):
+            raise QserveError(f"no {metric} for {task}")
+        items = self.by_metric[task][metric]
+        return sum(items.values()) / len(items), None, items
+
+
+def test_a_groups_metric_is_bet_on_the_pooled_order_of_the_tasks_that_report_it() -> None:
+    """A --limit of 60 of a 3 x 50 group takes the first 60 of its pooled order; acc_norm, which b and c
+    alone report, is bet on the 100 items of b and c, of which those taken are a prefix of their own
+    pooled order: a claim about all 100 at 5 % over every look (before, a sample of 150 where a's were
+    missing: a claim about the scored items alone)."""
+    sizes = {"a": 50, "b": 50, "c": 50}
+    taken = _pooled_prefix("g", sizes, 60)
+    items = {
+        t: {m: {str(i): 1.0 for i in taken[t]} for m in ms}
+        for t, ms in (("a", ["acc,none"]), ("b", ["acc_norm,none"]), ("c", ["acc_norm,none"]))
+    }
+    reporting = {"acc,none": ["a"], "acc_norm,none": ["b", "c"]}
+    groups = {"g": group("g", ["a", "b", "c"], [("acc,none", True), ("acc_norm,none", True)], reporting, {})}
+    spec = GateSpec(max_drop=0.05)
+    gates = decide_gates({"g": [spec]}, {}, _ScoresByMetric(items), _ScoresByMetric(items), 0.05, groups, sizes)
+    assert [(g.metric, g.items) for g in gates] == [
+        ("acc,none", len(taken["a"])),
+        ("acc_norm,none", len(taken["b"]) + len(taken["c"])),
+    ]
+    assert gates[1].test.endswith("at 5 % over every look") and "on 100 items of the task" in gates[1].test
+    assert "on 50 items of the task" in gates[0].test
+
+
 # Two multiple-choice tasks over GSM8K questions and a group over them: each item asks for the word that
 # follows the first half of a question, against a non-word, so that both models answer every item alike;
 # every fourth item names the non-word its target, so the items score 0 and 1 (all 1 would decide nothing).
-def _group_folder(tmp_path: Path, per_task: int) -> Path:
+# `metrics`: a task's own metric_list (else lm-eval's acc and acc_norm); `aggregate`: the group's metrics.
+def _group_folder(tmp_path: Path, per_task: int, metrics: dict[str, str] | None = None, aggregate: tuple = ("acc",)) -> Path:
     folder = tmp_path / "group_tasks"
     folder.mkdir()
     lines = (DATA_DIR / "gsm8k" / "test.jsonl").read_text().splitlines()
@@ -250,11 +319,13 @@ def _group_folder(tmp_path: Path, per_task: int) -> Path:
         data.write_text("".join(json.dumps(d) + "\n" for d in docs))
         task = {"task": name, **COMMON, "doc_to_text": "{{text}}", "dataset_kwargs": {"data_files": {"test": str(data)}}}
         task |= {"output_type": "multiple_choice", "doc_to_choice": "{{[next, 'qxzvj']}}", "doc_to_target": "{{target}}"}
+        if name in (metrics or {}):
+            task["metric_list"] = [{"metric": metrics[name], "aggregation": "mean", "higher_is_better": True}]
         (folder / f"{name}.yaml").write_text(yaml.safe_dump(task))
     group = {
         "group": "halves",
         "task": ["half_a", "half_b"],
-        "aggregate_metric_list": [{"metric": "acc", "weight_by_size": True}],
+        "aggregate_metric_list": [{"metric": m, "weight_by_size": True} for m in aggregate],
     }
     (folder / "_halves.yaml").write_text(yaml.safe_dump(group))
     return folder
@@ -292,7 +363,15 @@ def test_a_group_in_a_task_folder_is_one_gate_over_its_tasks_pooled_items(passed
     record = json.loads(proc.stdout)
     raw = json.loads((ckpt / LM_EVAL_RESULTS_NAME).read_text())
     assert record["tasks"] == ["half_a", "half_b"]
-    assert record["groups"] == {"halves": {"name": "halves", "members": ["half_a", "half_b"], "aggregate": [["acc,none", True]]}}
+    assert record["groups"] == {
+        "halves": {
+            "name": "halves",
+            "members": ["half_a", "half_b"],
+            "aggregate": [["acc,none", True]],
+            "reporting": [["acc,none", ["half_a", "half_b"]]],  # both multiple choice: lm-eval's acc and acc_norm
+            "defaults": ["acc,none"],
+        }
+    }
     (gate,) = record["gates"]
     assert (gate["task"], gate["metric"], gate["items"], gate["status"]) == ("halves", "acc,none", 2 * per_task, "pass")
     for side in ("baseline", "quantized"):
@@ -777,7 +856,8 @@ def _outside_group_run(folder: Path, out: Path, lost: set[str]) -> None:
     from lm_eval.tasks import TaskManager
 
     manager = TaskManager(include_defaults=False, include_path=str(folder))
-    model = scripted_lm(loglikelihood=lambda r: -1.0 if (r.args[1].strip() == "qxzvj") == (r.args[0] in lost) else -2.0)
+    # The preferred choice far likelier per character too, so that acc_norm (per character) agrees with acc.
+    model = scripted_lm(loglikelihood=lambda r: -0.001 if (r.args[1].strip() == "qxzvj") == (r.args[0] in lost) else -2.0)
     results = lm_eval.simple_evaluate(model=model, tasks=["halves"], task_manager=manager, log_samples=True)
     samples = results.pop("samples")
     tracker = EvaluationTracker(output_path=str(out))
@@ -808,6 +888,28 @@ def test_qserve_gate_pools_a_group_lm_eval_ran_outside(tmp_path: Path) -> None:
     (gate,) = summary["gates"]
     assert (gate["task"], gate["metric"], gate["items"], gate["flips"]) == ("halves", "acc,none", 80, {"lost": 5, "gained": 0})
     assert (gate["baseline"], gate["quantized"]) == (pytest.approx(60 / 80), pytest.approx(55 / 80))
+
+
+def test_qserve_gate_fails_a_group_on_a_metric_its_headline_does_not_reach(tmp_path: Path) -> None:
+    """A group stating acc (half_a's alone) and acc_norm (half_b's alone), as the Open LLM Leaderboard's
+    does over its tasks: 5 items of half_b lost of 40 (recovery (30 - 5) / 30 of its acc_norm, below
+    0.95, a fact on every item) FAIL it (exit 3), while acc, no item lost, passes; a gate on the headline
+    alone would have passed the group."""
+    per_task = 40
+    folder = _group_folder(tmp_path, per_task, {"half_a": "acc", "half_b": "acc_norm"}, ("acc", "acc_norm"))
+    texts = [json.loads(x)["text"] for x in (tmp_path / "half_b.jsonl").read_text().splitlines()]
+    lost = {texts[i] for i in (0, 1, 2, 4, 5)}  # items that target the real word (every 4th, 3 and 7, does not)
+    _outside_group_run(folder, tmp_path / "base", set())
+    _outside_group_run(folder, tmp_path / "quant", lost)
+    proc = run_qserve_in_process("gate", tmp_path / "base", tmp_path / "quant", "--json")
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    summary = json.loads(proc.stdout)
+    assert summary["groups"]["halves"]["defaults"] == ["acc,none", "acc_norm,none"]
+    found = [(g["metric"], g["items"], g["flips"], g["status"], g["baseline"], g["quantized"]) for g in summary["gates"]]
+    assert found == [
+        ("acc,none", per_task, {"lost": 0, "gained": 0}, "pass", pytest.approx(30 / 40), pytest.approx(30 / 40)),
+        ("acc_norm,none", per_task, {"lost": 5, "gained": 0}, "fail", pytest.approx(30 / 40), pytest.approx(25 / 40)),
+    ]
 
 
 def test_qserve_gate_bets_on_lambadas_perplexity_per_item_from_runs_made_outside(tmp_path: Path) -> None:

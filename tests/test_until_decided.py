@@ -103,22 +103,25 @@ QUANTIZED_RUNS = r"> lm-eval on the quantized checkpoint: gsm8k_ppl \((.*?)\) \.
 def test_rounds_stop_at_the_first_decision(fp8_checkpoint: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """Rounds of 2, 4 and 8 documents of gsm8k_ppl. Two documents cannot reach log 20 nats of evidence
     (2 x 1.07 < 3.0) nor fail (the fail bet gains at most 0.12 nats a document), so the first round is
-    INCONCLUSIVE by construction; an FP8 model, whose per-word loss barely moves, gains about 0.53 nats a
-    document at the largest bet, so four documents do not pass (2.1) and eight do (4.2). Each round is one
-    look at a prefix of the same order, recorded with its verdict. The first command stops at its ceiling
-    of 4; a second without one goes on from its record: rounds 2 and 4 are in it, round 8 scores 4-7."""
+    INCONCLUSIVE by construction. How soon an FP8 model passes depends on how far the CPU's kernels move
+    its per-word loss: measured, at 8 documents where it barely moves (about 0.53 nats of evidence a
+    document; the hosts of this test's first CI runs), at 16 on an EPYC with a bfloat16 kernel (0.063
+    nats a word over these 16 documents, 2026-12-07); four documents have passed on neither. Each round
+    is one look at a prefix of the same order, recorded with its verdict, and the rounds stop at the first
+    that holds the deciding document. The first command stops at its ceiling of 4; a second without one
+    goes on from its record: rounds 2 and 4 are in it, round 8 scores 4-7, and so on."""
     lo, hi, delta = betting.Spec("perplexity", ALLOWANCE).bet_range()
     assert 2 * math.log1p(0.5 / (hi - delta) * (delta - lo)) < math.log(20)
     options = EvalOptions(tasks=["gsm8k_ppl"], gates={"gsm8k_ppl": [GateSpec(max_increase=ALLOWANCE)]}, check_parity=False)
     assert evaluate_until_decided(fp8_checkpoint, replace(options, limit=4), first=2).verdict == "inconclusive"
     record = evaluate_until_decided(fp8_checkpoint, options, first=2)
     (gate,) = record.gates
-    assert (record.verdict, record.limit, gate.status) == ("pass", 8, "pass"), gate.reason
-    assert [(look["limit"], look["verdict"]) for look in record.look.history] == [
-        (2, "inconclusive"),
-        (4, "inconclusive"),
-        (8, "pass"),
-    ]
+    assert (record.verdict, gate.status) == ("pass", "pass") and record.limit in (8, 16), gate.reason
+    looked = [2**k for k in range(1, record.limit.bit_length())]  # 2, 4, ..., the last round
+    history = [(look["limit"], look["verdict"]) for look in record.look.history]
+    assert history == [(n, "inconclusive") for n in looked[:-1]] + [(record.limit, "pass")]
+    deciding = int(re.search(r"reached 1/alpha = 20 after (\d+) items", gate.reason)[1])
+    assert record.limit // 2 < deciding <= record.limit
     assert gate.test.endswith(
         "size-biased by words, on each document's loss change per word (within ±0.693 nats), at 5 % over every look"
     )
@@ -132,7 +135,7 @@ def test_rounds_stop_at_the_first_decision(fp8_checkpoint: Path, capfd: pytest.C
     ):
         assert line in said
     scored = re.findall(QUANTIZED_RUNS, said)
-    assert scored == ["limit 2, a seeded sample", "items 2-3 of the seeded order", "items 4-7 of the seeded order"]
+    assert scored == ["limit 2, a seeded sample"] + [f"items {n // 2}-{n - 1} of the seeded order" for n in looked[1:]]
 
 
 @pytest.mark.matrix  # two rounds, four engine starts

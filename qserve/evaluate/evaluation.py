@@ -24,7 +24,7 @@ from qserve.evaluate import baselines, fallback, parity
 from qserve.evaluate.lm_eval_run import EngineRun, Subject, Window, join, prompting, run_fields, run_lm_eval, unjoinable
 from qserve.evaluate.tasks import Resolved, Task, dataset_copies, datasets_dir, lm_eval_config, resolve_tasks
 from qserve.gate import looks, reports
-from qserve.gate.core import Group, decide_gates
+from qserve.gate.core import Group, decide_gates, gated_metrics
 from qserve.gate.decisions import Gate, Status, verdict
 from qserve.gate.order import GROUPS, ORDER
 from qserve.gate.records import read_eval, resolve_checkpoint
@@ -429,9 +429,9 @@ def plan_tasks(
     _check_gated_tasks(gates, resolved)
     units = list(dict.fromkeys(resolved.units + [t for t in gates if t not in resolved.units]))
     specs = {u: gates.get(u) or recipe_gates.get(u) or default_gate() for u in units}
-    for unit, unit_specs in specs.items():
-        for spec in unit_specs:
-            check_allowance(unit, spec, spec.metric or headlines[unit])
+    for unit, spec in ((u, s) for u, unit_specs in specs.items() for s in unit_specs):
+        for metric in gated_metrics(unit, spec.metric, headlines, resolved.groups):
+            check_allowance(unit, spec, metric)
     root = paths.data_dir(options.data_dir)
     return resolved, specs, {t.name: lm_eval_config(t, root, datasets) for t in resolved.tasks}
 

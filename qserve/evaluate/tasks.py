@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from qserve import paths
 from qserve.checkpoint.hashing import sha256_file
 from qserve.errors import QserveError
-from qserve.gate.core import Group
+from qserve.gate.core import Group, group
 from qserve.gate.stats import WEIGHTED
 from qserve.paths import project_data
 from qserve.progress import info
@@ -164,7 +164,9 @@ class TaskIndex:
         for agg in config.aggregate_metric_list:
             filters = agg.filter_list or _filters_of(agg.metric, leaves)
             aggregate += [(f"{agg.metric},{f}", bool(agg.weight_by_size)) for f in filters]
-        return Group(name, tuple(t.name for t in leaves), tuple(aggregate))
+        reported = {t.name: set(reported_metrics(t.config)) for t in leaves}
+        reporting = {m: [t for t, keys in reported.items() if m in keys] for m, _ in aggregate}
+        return group(name, [t.name for t in leaves], aggregate, reporting, {t.name: t.metric for t in leaves})
 
     def _leaves(self, name: str, raw: dict[str, Any], overrides: dict[str, Any], source: Path) -> list[LmEvalTask]:
         """A group's leaf tasks (`raw`: its YAML, `source`: the file it is in)."""
@@ -225,15 +227,19 @@ def _filters_of(metric: str, leaves: list[LmEvalTask]) -> list[str]:
 
 
 def headline_metric(cfg: dict[str, Any]) -> str:
-    """The "<metric>,<filter>" key lm-eval reports first: the first metric of metric_list (else lm-eval's
-    default for the output type) with the first filter of filter_list ("none" without one)."""
+    """The "<metric>,<filter>" key lm-eval reports first (`reported_metrics`)."""
+    return reported_metrics(cfg)[0]
+
+
+def reported_metrics(cfg: dict[str, Any]) -> list[str]:
+    """The "<metric>,<filter>" keys a task's results hold, in lm-eval's order: each metric of metric_list
+    (else lm-eval's defaults for the output type) under each filter of filter_list ("none" without one)."""
     from lm_eval.api.registry import DEFAULT_METRIC_REGISTRY
 
     metrics = cfg.get("metric_list") or [{"metric": m} for m in DEFAULT_METRIC_REGISTRY[cfg.get("output_type", "generate_until")]]
-    metric = metrics[0]["metric"]
-    name = metric if isinstance(metric, str) else getattr(metric, "__name__", str(metric))
-    filters = cfg.get("filter_list") or []
-    return f"{name},{filters[0]['name'] if filters else 'none'}"
+    names = [m if isinstance(m, str) else getattr(m, "__name__", str(m)) for m in (x["metric"] for x in metrics)]
+    filters = [f["name"] for f in cfg.get("filter_list") or []] or ["none"]
+    return [f"{m},{f}" for f in filters for m in names]
 
 
 @functools.cache

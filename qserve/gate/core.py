@@ -5,6 +5,7 @@ same outputs get the same decision whichever command reads them."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,15 +39,60 @@ class Scores(Protocol):
 @dataclass(frozen=True)
 class Group:
     """An lm-eval group gated as one: its leaf tasks' items pooled item by item into one paired test,
-    its stated score lm-eval's aggregation of theirs (its `aggregate_metric_list`)."""
+    its stated scores lm-eval's aggregation of theirs (its `aggregate_metric_list`), each metric over
+    the members that report it."""
 
     name: str
     members: tuple[str, ...]  # leaf tasks, in lm-eval's order
     aggregate: tuple[tuple[str, bool], ...]  # ("<metric>,<filter>", weight_by_size), the first the headline
+    # Each aggregate metric's members that report it; a metric not listed (records before it): every member.
+    reporting: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # The metrics a gate that names none gates (`group`); empty (records before it): the headline alone.
+    defaults: tuple[str, ...] = ()
 
     @property
     def metric(self) -> str:
         return self.aggregate[0][0]
+
+    @property
+    def gated(self) -> tuple[str, ...]:
+        return self.defaults or (self.metric,)
+
+    def reporters(self, metric: str) -> tuple[str, ...]:
+        return dict(self.reporting).get(metric, self.members)
+
+
+def group(
+    name: str,
+    members: Sequence[str],
+    aggregate: Sequence[tuple[str, bool]],
+    reporting: Mapping[str, Collection[str]],
+    headlines: Mapping[str, str],
+) -> Group:
+    """A group whose gate without a metric reaches every member the group scores: its headline, then, for
+    the first member no earlier metric reaches, that member's own headline where the group aggregates it
+    (else the first aggregate metric that reaches it), and so on. lm-eval states each aggregate metric
+    over the members reporting it, so the Open LLM Leaderboard's acc is mmlu_pro's alone, and its bbh,
+    gpqa, musr, math and ifeval count under acc_norm, exact_match and ifeval's metrics."""
+    metrics = [m for m, _ in aggregate]
+    reach = {m: tuple(t for t in members if t in reporting.get(m, ())) for m in metrics}
+    defaults, covered = [metrics[0]], set(reach[metrics[0]])
+    for member in members:
+        reaching = [m for m in metrics if member in reach[m]]
+        if member in covered or not reaching:
+            continue
+        own = headlines.get(member)
+        defaults.append(own if own in reaching else reaching[0])
+        covered |= set(reach[defaults[-1]])
+    return Group(name, tuple(members), tuple(aggregate), tuple(reach.items()), tuple(defaults))
+
+
+def gated_metrics(unit: str, metric: str | None, headlines: Mapping[str, str], groups: Mapping[str, Group]) -> tuple[str, ...]:
+    """The metrics a gate spec on a task or group gates: the `metric` it names, else the task's headline,
+    or each of a group's defaults (all of them what a policy gate that names no metric asks for)."""
+    if metric:
+        return (metric,)
+    return groups[unit].gated if unit in groups else (headlines[unit],)
 
 
 class Pooled:
@@ -140,7 +186,7 @@ def decide_gates(
     sizes: dict[str, int] | None = None,
     counts: dict[str, dict[str, dict[int, float]]] | None = None,
 ) -> list[Gate]:
-    """Each task's (or group's) gates; a spec without a metric gates the headline. Scores in [0, 1],
+    """Each task's (or group's) gates; a spec without a metric gates its defaults (`gated_metrics`). Scores in [0, 1],
     corpus perplexities on a task whose documents' `counts` are given (task -> metric -> doc id -> words
     or bytes, as lm-eval counts them: its order is size-biased by them), and lm-eval's `perplexity` on
     a task of one target per item (lambada's) are
@@ -151,9 +197,9 @@ def decide_gates(
     groups = groups or {}
     headlines = headlines | {name: group.metric for name, group in groups.items()}
     base, quant = Pooled(base, groups), Pooled(quant, groups)
-    for task, task_specs in specs.items():
-        for spec in task_specs:
-            metric = spec.metric or headlines[task]
+    for task, spec in ((t, s) for t, task_specs in specs.items() for s in task_specs):
+        defaults = gated_metrics(task, None, headlines, groups)
+        for metric in gated_metrics(task, spec.metric, headlines, groups):
             check_allowance(task, spec, metric)
             b, q = base.score(task, metric), quant.score(task, metric)
             if b[2] is not None and q[2] is not None and set(b[2]) != set(q[2]):
@@ -165,7 +211,7 @@ def decide_gates(
             quant.check_items_add_up(task, metric, q)
             better = base.higher_is_better(task, metric)
             cmp = stats.compare(metric, better, b, q, level)
-            headline = metric == headlines[task]
+            headline = metric in defaults
             weights = (counts or {}).get(task, {}).get(metric.partition(",")[0])  # corpus perplexities' words or bytes
             targets = base.output_type(task) == "loglikelihood"  # one target per item: `perplexity` is per item
             if cmp.non_finite or not evidence.bettable(spec, metric, better, b[2], q[2], weights, targets):
@@ -187,7 +233,9 @@ def _population(
     if task not in groups:
         return evidence.ordered(task, scored, total, weights)
     group = groups[task]
-    members = {m: sizes[m] for m in group.members if m in (sizes or {})}
+    # lm-eval's score is over the members that report the metric: the pooled order restricted to them,
+    # which is their own pooled order (each item's place comes from its own hash).
+    members = {m: sizes[m] for m in group.reporters(metric) if m in (sizes or {})}
     if not members:
         if total is not None and total != len(scored):  # lm-eval's own --limit: the first in file order
             return evidence.ordered(task, scored, total)

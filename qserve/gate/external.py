@@ -23,7 +23,7 @@ from typing import Any
 from qserve.checkpoint.opened import Checkpoint
 from qserve.errors import QserveError
 from qserve.gate import evidence, looks, outside, stats
-from qserve.gate.core import Group, decide_gates, higher_is_better, output_type
+from qserve.gate.core import Group, decide_gates, gated_metrics, group, higher_is_better, output_type
 from qserve.gate.decisions import Gate, verdict
 from qserve.spec.gates import PERPLEXITY_UNITS, GateSpec, default_gate
 
@@ -115,7 +115,7 @@ def _counts(
     takes the first in file order) keep stats.py's bound."""
     out: dict[str, dict[str, dict[int, float]]] = {}
     for task in headlines:
-        metrics = {spec.metric or headlines[task] for spec in specs.get(task, [])}
+        metrics = {m for spec in specs.get(task, []) for m in gated_metrics(task, spec.metric, headlines, {})}
         for metric, name in ((m, m.partition(",")[0]) for m in metrics if evidence.counted(m)):
             items = base.score(task, metric)[2]
             pairs = list(items.values())
@@ -283,7 +283,10 @@ class _LmEvalRun:
                 metrics = self._stated(name)
                 if not metrics:
                     raise QserveError(f"{self.path} gives group {name} no score of its own: gate its tasks")
-                out[name] = Group(name, tuple(self._leaves(name)), tuple((m, True) for m in metrics))
+                leaves = self._leaves(name)
+                reporting = {m: [leaf for leaf in leaves if m in self.results.get(leaf, {})] for m in metrics}
+                headlines = {leaf: self.headline(leaf) for leaf in leaves if leaf in self.results}
+                out[name] = group(name, leaves, [(m, True) for m in metrics], reporting, headlines)
         return out
 
     def _leaves(self, group: str) -> list[str]:

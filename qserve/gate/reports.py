@@ -12,6 +12,7 @@ from typing import Any
 
 from qserve.checkpoint.manifest import LM_EVAL_RESULTS_NAME, REPORT_NAME, Manifest
 from qserve.gate.card import gate_rows, md_table, text_table, write_card
+from qserve.gate.core import Group
 from qserve.gate.decisions import Gate
 from qserve.gate.records import write_eval
 from qserve.gate.schema import EvalRecord
@@ -31,7 +32,7 @@ def format_table(record: EvalRecord) -> str:
     lines += [f"  {g.task} {g.metric}: {_status(g)}: {g.reason}" for g in record.gates]
     for name, group in (record.groups or {}).items():
         lines.append(
-            f"  {name}: the items of its {len(group.members)} tasks pooled in one test; each task's scores: {REPORT_NAME}"
+            f"  {name}: the items of its {len(group.members)} tasks {_pooling(group)}; each task's scores: {REPORT_NAME}"
         )
     if record.parity:
         lines.append(f"engine parity: {record.parity.status.upper()}: {record.parity.reason}")
@@ -56,6 +57,12 @@ def markdown_report(record: EvalRecord, raw: dict[str, Any] | None = None) -> st
     return "\n".join(sections + _parity_section(record) + _kv_section(record) + _setup_section(record))
 
 
+def _pooling(group: Group) -> str:
+    if len(group.gated) == 1:
+        return "pooled in one test"
+    return f"pooled in one test per metric ({', '.join(group.gated)}), over the tasks that report it"
+
+
 def _groups_section(record: EvalRecord, raw: dict[str, Any]) -> list[str]:
     """Each gated group's tasks beside it, with the scores lm-eval gave each (`raw`: both models' outputs)."""
     out = []
@@ -63,7 +70,7 @@ def _groups_section(record: EvalRecord, raw: dict[str, Any]) -> list[str]:
         metrics = list(dict.fromkeys(g.metric for g in record.gates if g.task == name)) or [group.metric]
         rows = [("task", "metric", "n", "baseline", "quantized")]
         for member in group.members:
-            for metric in metrics:
+            for metric in (m for m in metrics if member in group.reporters(m)):
                 scores = [
                     (raw.get(side, {}).get("results", {}).get(member) or {}).get(metric) for side in ("baseline", "quantized")
                 ]
@@ -71,7 +78,7 @@ def _groups_section(record: EvalRecord, raw: dict[str, Any]) -> list[str]:
                 rows.append((member, metric, str(n or "?"), *("n/a" if v is None else f"{v:.4f}" for v in scores)))
         out += [f"## {name}: its {len(group.members)} tasks", ""]
         out += [
-            "The gate above pools their items into one paired test; the group's score is lm-eval's aggregation of theirs.",
+            f"In the gates above, their items are {_pooling(group)}; the group's score is lm-eval's aggregation of theirs.",
             "",
         ]
         out += md_table(rows) + [""]
