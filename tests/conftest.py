@@ -367,9 +367,9 @@ class DemoRun:
     `model`, read until it serves, then stopped: by SIGTERM, or by Ctrl-C pressed twice, as an impatient
     user (or `make`) would."""
 
-    def __init__(self, ckpt: Path, ctrl_c_twice: bool = False, model: Path | None = None) -> None:
+    def __init__(self, ckpt: Path, ctrl_c_twice: bool = False, model: Path | None = None, limit: int = DEMO_LIMIT) -> None:
         self.ckpt, self.port = ckpt, free_port()
-        cmd = [*QSERVE, "run", DEMO_RECIPE, "--output", ckpt, "--tasks", DEMO_TASKS, "--limit", str(DEMO_LIMIT)]
+        cmd = [*QSERVE, "run", DEMO_RECIPE, "--output", ckpt, "--tasks", DEMO_TASKS, "--limit", str(limit)]
         cmd += ["--port", str(self.port)] + (["--model", str(model)] if model else [])
         stderr = ckpt.parent / f"{ckpt.name}-run-{len(list(ckpt.parent.glob('*-run-*')))}.stderr"
         with stderr.open("w") as err:

