@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from conftest import QSERVE, REPO, copy_tokenizer, llama_config, needs_vllm, run_qserve
+from conftest import QSERVE, REPO, copy_tokenizer, llama_config, needs_vllm, quantize_in_process, run_qserve
 
 from qserve.checkpoint.manifest import read_manifest
 from qserve.device.detect import native_bfloat16
@@ -391,9 +391,8 @@ def _limit_hits(group: Path) -> int:
     "arithmetic in another order, which the bounds below are for (measured: distance ratio 0.980 at one layer)",
 )
 def test_two_process_gptq_matches_the_single_process_checkpoint(checkpoints, embedded_model_dir: Path, tmp_path: Path) -> None:
-    """GPTQ in 2 gloo processes against the session's 1-process checkpoint of the same recipe."""
-    import torch
-    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    """GPTQ in 2 gloo processes against the session's 1-process checkpoint of the same recipe: the same
+    solution up to the order of the Hessian's sums; GPTQ on another draw of calibration samples is not."""
     from safetensors.torch import load_file
 
     proc = run_qserve("quantize", checkpoints.recipe("w4a16-gptq"), "--nproc", "2", "--output", tmp_path / "ddp")
@@ -403,35 +402,56 @@ def test_two_process_gptq_matches_the_single_process_checkpoint(checkpoints, emb
     assert [r["samples"] for r in record["ranks"]] == [4, 4]
     one, two = (load_file(p / "model.safetensors") for p in (checkpoints["w4a16-gptq"], tmp_path / "ddp"))
     source = load_file(embedded_model_dir / "model.safetensors")
+    assert _another_solution(one, two, source) == []
+    # The case the bounds must catch: one process, calibrated on another seeded draw of 8 samples.
+    recipe = checkpoints.recipe("w4a16-gptq")
+    other = tmp_path / "seed1.yaml"
+    other.write_text(recipe.read_text().replace("  seq_len: 128\n", "  seq_len: 128\n  seed: 1\n", 1))
+    assert "  seed: 1\n" in other.read_text()
+    redrawn = load_file(quantize_in_process(other, tmp_path / "seed1") / "model.safetensors")
+    assert len(_another_solution(one, redrawn, source)) >= 20  # measured: 49 of 210 layers below 0.985
+
+
+def _another_solution(one: dict, two: dict, source: dict) -> list[str]:
+    """Why `two` is not `one`'s GPTQ solution found again: its scales differ, too many codes move by more than
+    one step, or a layer lies farther from (or nearer to) the source weights than DDP_ERROR_RATIO allows."""
+    import torch
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
     assert sorted(one) == sorted(two)
-    beyond_one_step, total = 0, 0
+    found, beyond_one_step, total = [], 0, 0
     for name in (n for n in one if n.endswith("weight_packed")):
         layer = name.removesuffix("weight_packed")
-        assert torch.equal(one[layer + "weight_scale"], two[layer + "weight_scale"]), layer
+        if not torch.equal(one[layer + "weight_scale"], two[layer + "weight_scale"]):
+            found.append(f"{layer}: scales")
         shape = torch.Size(one[layer + "weight_shape"].tolist())
         codes = [unpack_from_int32(t[name], 4, shape).int() for t in (one, two)]
         beyond_one_step, total = beyond_one_step + int(((codes[0] - codes[1]).abs() > 1).sum()), total + codes[0].numel()
         # Equally good solutions: each one's distance from the source weights.
         steps = one[layer + "weight_scale"].float().repeat_interleave(64, dim=1)
         error = [(c.float() * steps - source[layer + "weight"].float()).norm() for c in codes]
-        assert DDP_ERROR_RATIO[0] < error[1] / error[0] < DDP_ERROR_RATIO[1], layer
-    assert beyond_one_step / total < DDP_MAX_BEYOND_ONE_STEP
+        if not DDP_ERROR_RATIO[0] < error[1] / error[0] < DDP_ERROR_RATIO[1]:
+            found.append(f"{layer}: distance ratio {error[1] / error[0]:.4f}")
+    if beyond_one_step / total >= DDP_MAX_BEYOND_ONE_STEP:
+        found.append(f"{beyond_one_step / total:.2%} of codes more than one step apart")
+    return found
 
 
 # Not bit-exact, by the arithmetic: each rank sums its share's Hessian, then the ranks' sums are
 # added (another order of the same float sums). GPTQ's rounding is sequential with error feedback,
 # so a flipped decision moves the codes after it, and a layer's changed codes change the inputs
-# every later layer is calibrated on. Measured on the embedded model (w4a16-gptq, 1 vs 2
-# processes): with the shipped 32 samples of 256 tokens, scales identical, 17.5 % of int4 codes
-# differ, 0.20 % by more than one step, per-layer distance ratio 0.992 to 1.005; with the 8 samples
-# of 128 tokens this test runs (conftest.SHRUNK; 2026-11-23, AMD EPYC), scales identical, 26.2 %
-# differ, 1.06 % by more than one step, ratio 0.994 to 1.011 (fewer tokens: a less determined
-# Hessian, more equally good roundings). The bounds leave room over those figures, not over a
-# different solution. A fresh-clone CI on 2026-11-28 (AMD EPYC with AVX-512 BF16, commit 8178f08) measured
-# 1.0238 at one layer (model.layers.29.mlp.gate_proj), over the 1.02 this bound had; a run of the test
-# alone on that host passed the old bound: the ratio's spread there reaches past 1.02.
-DDP_MAX_BEYOND_ONE_STEP = 0.02
-DDP_ERROR_RATIO = (0.97, 1.03)
+# every later layer is calibrated on. Measured on the embedded model (w4a16-gptq, 1 vs 2 processes,
+# the 8 samples of 128 tokens this test runs, conftest.SHRUNK): scales identical in every run; one
+# process is deterministic (3 runs bit-identical), two are not. Per-layer distance ratio, its
+# extremes per run: 2026-11-23 AMD EPYC 0.994-1.011; 2026-11-28 CI, AMD EPYC with AVX-512 BF16,
+# max 1.0238; 2026-12-07 that kind, 3 runs: 0.9903-1.0159, 0.9914-1.0176, 0.9936-1.0184; codes more
+# than one step apart 1.06-1.07 % in every run. Bounds: the runs' mean extreme plus 3 standard
+# deviations of it (upper 1.0189 + 3 x 0.0034, lower 0.9922 - 3 x 0.0014), rounded outward to 0.005;
+# one step: 0.3 points over the measured 1.07 %. Another seeded draw of the 8 samples (GPTQ on one
+# process, 2026-12-07) lies outside: ratios 0.965-1.011 (49 layers below 0.985), 1.80 % of codes
+# more than one step apart; the test checks it fails.
+DDP_MAX_BEYOND_ONE_STEP = 0.014
+DDP_ERROR_RATIO = (0.985, 1.03)
 
 
 # --- eval at scale: vLLM's parallel options reach both engines ---
