@@ -146,6 +146,12 @@ def test_word_perplexity_bets_on_the_size_biased_order_and_names_a_document_past
     assert (block.size, block.whole, block.free, block.after, block.population.order) == (150, False, False, 150, order[150:])
     files = ordered("t", [str(i) for i in range(50)], 300, words)
     assert (files.size, files.whole, files.free, files.population.order) == (50, False, False, [i for i in order if int(i) < 50])
+    # Runs made elsewhere count only the documents they scored: whichever 150 they are (here the prefix
+    # the whole counts would make a claim about the task), the 300-document task is not theirs to claim.
+    scored = {int(i): words[int(i)] for i in order[:150]}
+    elsewhere = ordered("t", sorted(order[:150]), 300, scored)
+    assert (elsewhere.size, elsewhere.whole, elsewhere.free) == (150, False, False)
+    assert elsewhere.population.order == order[:150]  # the race restricted to them: each finish time is its own
     base = {i: [-2.0 * words[int(i)], words[int(i)]] for i in order[:150]}
     quant = {i: list(v) for i, v in base.items()}
     assert bettable(GateSpec(min_recovery=0.95), "word_perplexity,none", False, base, quant, words)

@@ -184,7 +184,7 @@ def ordered(task: str, scored: list[str], size: int | None, counts: dict[int, fl
     the seeded order. A group gated as one: `pooled`. With `counts` (every document's words
     or bytes), the order is size-biased by them (gate/order.weighted_order)."""
     if counts is not None:
-        return _size_biased(task, scored, counts)
+        return _size_biased(task, scored, counts, size)
     if size is not None and all(i.isdigit() for i in scored):
         order = [str(i) for i in item_order(task, size)]
         if set(order[: len(scored)]) == set(scored):
@@ -208,22 +208,24 @@ def pooled(group: str, scored: list[str], sizes: dict[str, int], by_size: bool =
     return Ordered(betting.Population.in_order(own), len(own), False, False)
 
 
-def _size_biased(task: str, scored: list[str], counts: dict[int, float]) -> Ordered:
+def _size_biased(task: str, scored: list[str], counts: dict[int, float], size: int | None = None) -> Ordered:
     """A corpus perplexity's population: the task's order size-biased by `counts` from its first document
     when `scored` is a prefix of it. An --offset block is the rest of that order after the documents before it (given
     those, the rest is a size-biased order of the remaining documents, as the race is memoryless), a
     claim about them. Any other set (file order, or a byte perplexity's documents that --limit took by
-    their words) is the scored documents alone, in the race's order."""
+    their words), or `counts` of fewer than the task's `size` documents (runs made elsewhere on part of
+    it), is the scored documents alone, in the race's order: a claim about them."""
     weights = {str(i): float(w) for i, w in counts.items()}
     order = [str(i) for i in weighted_order(task, weights)]
     place = {doc: k for k, doc in enumerate(order)}
     if unknown := sorted(set(scored) - set(place))[:5]:
         raise ValueError(f"{task}: scored documents outside the task: {', '.join(unknown)}")
     first = min((place[i] for i in scored), default=0)
-    if set(order[first : first + len(scored)]) == set(scored):
+    if (size is None or len(order) >= size) and set(order[first : first + len(scored)]) == set(scored):
         rest = order[first:]
         population = betting.Population.in_order(rest, {i: weights[i] for i in rest})
         return Ordered(population, len(rest), first == 0, first == 0, first)
     own = [i for i in order if i in set(scored)]
     population = betting.Population.in_order(own, {i: weights[i] for i in own})
-    return Ordered(population, len(own), len(own) == len(order), len(own) == len(order))
+    whole = len(own) == len(order) and (size is None or len(own) >= size)
+    return Ordered(population, len(own), whole, whole)

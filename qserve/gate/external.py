@@ -62,7 +62,7 @@ def gate_runs(
     specs = {task: gates.get(task) or default_gate() for task in names}
     headlines = {task: base.headline(task) for task in names if task not in groups}
     sizes = _sizes(base, quant, leaves)
-    counts = _counts(specs, headlines, base, quant, sizes)
+    counts = _counts(specs, headlines, base, quant)
     decided = decide_gates(specs, headlines, base, quant, looks.level(look), groups, sizes, counts)
     decided_at, final = datetime.now(UTC).isoformat(timespec="seconds"), verdict(decided)
     entry = scored | {"decided_at": decided_at, "verdict": final, "level": looks.level(look)}
@@ -105,22 +105,22 @@ def _sizes(base: _LmEvalRun, quant: _LmEvalRun, leaves: dict[str, list[str]]) ->
 
 
 def _counts(
-    specs: dict[str, list[GateSpec]], headlines: dict[str, str], base: _LmEvalRun, quant: _LmEvalRun, sizes: dict[str, int]
+    specs: dict[str, list[GateSpec]], headlines: dict[str, str], base: _LmEvalRun, quant: _LmEvalRun
 ) -> dict[str, dict[str, dict[int, float]]]:
-    """Per task gated on a corpus perplexity whose every document both runs scored: each document's words
-    or bytes, as lm-eval's [loglikelihood, count] pairs count them from the text (task -> metric -> doc
-    id -> count). The gate then bets on the documents in qserve's order size-biased by them
-    (gate/order.py), fixed by the ids and the texts, never by a score, so it is the order `qserve eval`
-    would have taken, and the last document decides exactly. Runs that scored fewer (lm-eval's --limit
-    takes the first in file order) keep stats.py's bound."""
+    """Per task gated on a corpus perplexity: each scored document's words or bytes, as lm-eval's
+    [loglikelihood, count] pairs count them from the text (task -> metric -> doc id -> count). The gate
+    then bets on the documents in qserve's order size-biased by them (gate/order.py), fixed by the ids
+    and the texts, never by a score: where every document was scored, the order `qserve eval` would
+    have taken, a claim about the task whose last document decides exactly; where fewer were (lm-eval's
+    --limit takes the first in file order; lm-eval's n-samples says how many the task holds), a claim
+    about the scored documents alone, decided exactly by the last of them."""
     out: dict[str, dict[str, dict[int, float]]] = {}
     for task in headlines:
         metrics = {m for spec in specs.get(task, []) for m in gated_metrics(task, spec.metric, headlines, {})}
         for metric, name in ((m, m.partition(",")[0]) for m in metrics if evidence.counted(m)):
             items = base.score(task, metric)[2]
             pairs = list(items.values())
-            every = bool(pairs) and sizes.get(task, len(pairs)) == len(pairs)
-            if not every or not all(isinstance(v, list) and len(v) == 2 for v in pairs):
+            if not pairs or not all(isinstance(v, list) and len(v) == 2 for v in pairs):
                 continue
             other = quant.score(task, metric)[2]
             if set(other) != set(items):
