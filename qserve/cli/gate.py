@@ -41,10 +41,10 @@ def gate(
     """Apply qserve's paired gate to two lm-eval runs made elsewhere (a GPU cluster, a CI job).
 
     Both runs need `--log_samples` on the same items, few-shot count and prompts: the gate compares them
-    item by item (a test by betting on scores in [0, 1], 0/1 included, taken in the task's seeded order, and
-    on corpus perplexities where both runs scored every document, by the words or bytes lm-eval counted, and
-    on lambada's perplexity per item;
-    a t bound on per-document terms for other means and runs on part of a task; see docs/gates.md). Which way a metric is
+    item by item (a test by betting on scores in [0, 1], 0/1 included, taken in the task's seeded order, on
+    corpus perplexities by the words or bytes lm-eval counted, and on lambada's perplexity per item; runs on
+    part of a task, lm-eval's --limit in file order, are a claim about the scored items alone; a t bound on
+    per-document terms for other means; see docs/gates.md). Which way a metric is
     better comes from lm-eval's own results. Default gate: min_recovery 0.95 on each task's first metric.
     qserve counts only the looks it is shown: after an inconclusive run, gate the larger run with
     `--looks-from` the first one's --out record. Exit 0 PASS, 3 FAIL, 4 INCONCLUSIVE.
