@@ -565,3 +565,56 @@ def test_decide_takes_a_group_in_its_pooled_order_and_decides_its_mean_of_means_
     assert (partial.whole, partial.free, partial.size) == (True, True, 1100)
     other = pooled("g", sorted(base)[:50], sizes)  # not a prefix of the order: the scored items alone
     assert (other.whole, other.free, other.size) == (False, False, 50)
+
+
+# Lower-is-better 0/1 scores (crows_pairs' pct_stereotype: 1 when the model prefers the stereotyped
+# sentence; crows_pairs_english holds 1,677 pairs). max_increase a bets on q_i - (1 + a) b_i against 0
+# within [-(1 + a), 1] (gate/evidence.py): computed here from the pairs, not through qserve.
+CROWS = 1677
+
+
+def _stereotype_pairs(base_ones: int, gained: int, lost: int) -> tuple[np.ndarray, np.ndarray]:
+    """Baseline and quantized 0/1 scores: `base_ones` stereotyped on the baseline, of which `gained` are
+    not on the quantized model (it improved there), and `lost` of the others newly stereotyped."""
+    b = np.zeros(CROWS)
+    b[:base_ones] = 1.0
+    q = b.copy()
+    q[:gained] = 0.0
+    q[base_ones : base_ones + lost] = 1.0
+    return b, q
+
+
+@pytest.mark.parametrize("allowance", [0.02, 0.05, 0.10])
+@pytest.mark.parametrize("gained", [0, 50, 200])
+def test_lower_is_better_max_increase_level_holds_at_the_allowance(allowance: float, gained: int) -> None:
+    """A stereotype rate that rises by exactly the allowed share (1,000 of 1,677 on the baseline, 1,000 (1 + a)
+    on the quantized model, `gained` pairs flipping each way beyond it): over 2,000 orders neither bettor
+    reaches 1/alpha at any item more often than the level (+3 SE)."""
+    lost = gained + round(1000 * allowance)
+    b, q = _stereotype_pairs(1000, gained, lost)
+    assert q.sum() == (1 + allowance) * b.sum()
+    d = q - (1 + allowance) * b
+    passes, fails = _false_rates(d, -(1 + allowance), 1.0, 0.0, [41, round(allowance * 100), gained])
+    print(f"\nlower is better, max_increase {allowance}, {gained} gained: false pass {passes}, false fail {fails}")
+    assert passes <= LIMIT and fails <= LIMIT
+
+
+# Median items to a pass of an unchanged stereotype rate (60 %) at max_increase 0.05 with 5 % of the pairs
+# flipping each way, measured (seeded) below; seeds 44 and 45 gave 578 and 559.5 (3 % apart), so it is
+# asserted with 15 % over it.
+UNCHANGED_MEDIAN = 562
+
+
+def test_lower_is_better_passes_an_unchanged_rate_by_the_end() -> None:
+    """Power: the quantized model as stereotyped as the baseline (1,006 of 1,677 each), 84 pairs flipping
+    each way. Over 1,000 orders at max_increase 0.05 none fails and every one passes by the test set's
+    end (exact there); the median items to a pass stays within 15 % of the measured one."""
+    b, q = _stereotype_pairs(1006, 84, 84)
+    assert q.sum() == b.sum()
+    d = q - 1.05 * b
+    paths = betting.wor_paths(_orders(d, 1000, np.random.default_rng(43)), -1.05, 1.0, 0.0, CROWS)
+    to_pass, to_fail = _first(paths["log_wealth_pass"]), _first(paths["log_wealth_fail"])
+    median = _median_to_pass(paths)
+    print(f"\nlower is better, unchanged rate at max_increase 0.05: median items to a pass {median}")
+    assert float(np.mean(to_fail < to_pass)) == 0.0 and float(np.mean(to_pass <= CROWS)) == 1.0
+    assert median <= 1.15 * UNCHANGED_MEDIAN

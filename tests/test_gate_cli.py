@@ -526,3 +526,39 @@ def test_runs_not_of_the_checkpoint_are_refused_before_deciding(tmp_path: Path, 
     where = {"q": _results(q), "b": _results(b), "ckpt": ckpt, "real": ckpt.resolve()}
     assert proc.stderr.strip() == "error: " + expected.format(**where)
     assert sorted(p.name for p in ckpt.iterdir()) == files and not (tmp_path / "gate.json").exists()  # nothing written
+
+
+def _stereotype_run(root: Path, name: str, scores: list[float]) -> Path:
+    """A run in lm-eval's layout of a task whose per-item score is lower-is-better (crows_pairs' pct_stereotype)."""
+    folder = root / name / "org__model"
+    folder.mkdir(parents=True)
+    results = {
+        "results": {
+            "crows": {"alias": "crows", "pct_stereotype,none": sum(scores) / len(scores), "pct_stereotype_stderr,none": 0.02}
+        },
+        "higher_is_better": {"crows": {"pct_stereotype": False}},
+    }
+    (folder / "results_2026-12-07T10-00-00.json").write_text(json.dumps(results))
+    lines = [{"doc_id": i, "filter": "none", "pct_stereotype": v} for i, v in enumerate(scores)]
+    (folder / "samples_crows_2026-12-07T10-00-00.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return root / name
+
+
+@pytest.mark.parametrize(("newly", "code", "verdict"), [(6, 0, "PASS"), (16, 3, "FAIL")])
+def test_a_lower_is_better_score_is_bet_on_and_decided_exactly_on_every_item(
+    tmp_path: Path, newly: int, code: int, verdict: str
+) -> None:
+    """400 pairs, 240 stereotyped on the baseline; the quantized model stereotypes `newly` more of the
+    others (and 10 fewer of the 240, 10 more besides). At max_increase 0.05 the rate may rise to 252: 246
+    is below (+2.5 %), 256 above (+6.7 %), facts once every item is scored, so the bet decides them."""
+    base = [1.0] * 240 + [0.0] * 160
+    quant = [0.0] * 10 + [1.0] * 230 + [1.0] * (10 + newly) + [0.0] * (150 - newly)
+    assert (sum(base), sum(quant)) == (240, 240 + newly)
+    b, q = _stereotype_run(tmp_path, "base", base), _stereotype_run(tmp_path, "quant", quant)
+    proc = run_qserve_in_process("gate", b, q, "--tasks", "crows", "--gate", "crows:max_increase=0.05", "--json")
+    assert proc.returncode == code, proc.stderr
+    (gate,) = json.loads(proc.stdout)["gates"]
+    assert gate["test"] == BETTING + "400 items of the task, in the seeded order, at 5 % over every look"
+    assert (gate["status"], gate["higher_is_better"], gate["evidence"]["whole"]) == (verdict.lower(), False, True)
+    # What was bet on, recomputed: q - 1.05 b per item, mean below 0 exactly when the rate rose by less than 5 %.
+    assert (sum(quant) - 1.05 * sum(base) < 0) == (verdict == "PASS")

@@ -103,8 +103,28 @@ def test_scores_outside_the_declared_range_are_refused() -> None:
     quant[3] = 1.5
     with pytest.raises(ValueError, match=r"f1,none: the quantized's per-item value for document 3 is 1.5, outside \[0, 1\]"):
         decide_gate(base, quant, GateSpec(max_drop=0.04), "f1,none", True, Population.in_order(ORDER))
-    with pytest.raises(ValueError, match="betting takes per-item scores in"):
-        hypotheses(GateSpec(max_drop=0.1), "brier_score,none", False)
+    with pytest.raises(ValueError, match="acc,none: max_increase is for lower-is-better metrics"):
+        hypotheses(GateSpec(max_increase=0.1), "acc,none", True)
+    # Lower is better: each criterion is a bound on q_i - s b_i, its range from the scores' [0, 1].
+    specs = hypotheses(GateSpec(max_drop=0.02, max_increase=0.05, min_recovery=0.8), "pct_stereotype,none", False)
+    assert {c: (s.allowance, s.bounds, s.higher_is_better, scale) for c, (s, scale) in specs.items()} == {
+        "max_drop": (0.02, (-1.0, 1.0), False, 1.0),
+        "max_increase": (0.0, (-1.05, 1.0), False, 1.05),
+        "min_recovery": (0.0, (-1.25, 1.0), False, 1.25),
+    }
+
+
+def test_a_lower_is_better_rate_bets_on_the_quantized_minus_the_scaled_baseline() -> None:
+    """A stereotype rate (lower is better) of 600 on the baseline and 624 quantized, of SIZE: max_increase 0.05
+    allows 630, so on the whole set it passes; 0.03 allows 618, so it fails. Each item's term is q_i - (1 + a) b_i."""
+    base, quant = _scores(600, 0)
+    quant = {i: float(i < 624) for i in range(SIZE)}
+    for allowance, status in ((0.05, "pass"), (0.03, "fail")):
+        found = decide_gate(
+            base, quant, GateSpec(max_increase=allowance), "pct_stereotype,none", False, Population.in_order(ORDER)
+        )
+        assert found.status == status, found.reason
+        assert found.terms == {"max_increase": {str(i): quant[i] - (1 + allowance) * base[i] for i in range(SIZE)}}
 
 
 def test_a_prefix_of_the_seeded_order_claims_the_task_and_other_windows_only_their_items() -> None:

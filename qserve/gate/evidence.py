@@ -5,7 +5,10 @@ Each criterion of the spec becomes one hypothesis fixed before any score, in the
 bets on, so no allowance rests on a measured baseline:
 - scores per item in [0, 1], higher is better (lm-eval's acc, acc_norm, exact_match, f1, ...):
   `max_drop` a bets on b_i - q_i against a (0/1 scores: the binary spec); `min_recovery` r bets on
-  r b_i - q_i against 0 in [-1, r], since mean q > r mean b is recovery above r, exactly. The items
+  r b_i - q_i against 0 in [-1, r], since mean q > r mean b is recovery above r, exactly. Where lower
+  is better (crows_pairs' pct_stereotype, a toxicity rate): `max_drop` a bets on q_i - b_i against a;
+  `max_increase` a on q_i - (1 + a) b_i against 0 in [-(1 + a), 1], and `min_recovery` r (recovery
+  b / q) on q_i - b_i / r against 0 in [-1/r, 1], each the criterion exactly. The items
   are taken without replacement in the task's seeded order (`Population.in_order`); a group's pooled
   items in the group's order (`pooled`), size-biased by 1 / task size where lm-eval weighs its tasks alike.
 - corpus perplexities (word_perplexity by words, byte_perplexity and bits_per_byte by bytes; lm-eval's
@@ -21,9 +24,9 @@ bets on, so no allowance rests on a measured baseline:
 Anything else (unbounded per-item scores) has no declared range yet and is refused.
 `qserve eval` and `qserve gate` decide every gate `bettable` says yes to through `decide_gate`: scores
 in [0, 1], corpus perplexities with each document's count as lm-eval counts it (`qserve eval`
-counts them before any model runs, `qserve gate` reads them from runs that scored every document),
-and `perplexity` per target.
-The rest (runs made elsewhere on part of a task, the criteria refused above) keep stats.py's bounds.
+counts them before any model runs, `qserve gate` reads them from the runs: on part of a task, lm-eval's
+--limit in file order, a claim about the scored documents alone), and `perplexity` per target.
+The rest (unbounded per-item values, rolling tasks' `perplexity`, the criteria refused above) keep stats.py's bounds.
 
 A spec with several criteria passes only when every one passes (an intersection-union test: each at
 alpha, so the pass keeps alpha), fails when any fails, and is inconclusive otherwise.
@@ -59,9 +62,23 @@ def hypotheses(gate: GateSpec, metric: str, higher_is_better: bool) -> dict[str,
     name = metric.partition(",")[0]
     if name in PERPLEXITY_UNITS:
         return {c: (spec, 1.0) for c, spec in _corpus(gate, name).items()}
+    if higher_is_better:
+        return _higher_is_better(gate, metric)
+    # Lower is better (a rate of stereotyped or toxic answers): the degradation is q_i - s b_i, in [-s, 1].
     out: dict[str, tuple[betting.Spec, float]] = {}
-    if not higher_is_better or gate.max_increase is not None:
-        raise ValueError(f"{metric}: betting takes per-item scores in [0, 1] where higher is better, or a corpus perplexity")
+    if gate.max_drop is not None:
+        out["max_drop"] = betting.Spec("mean", gate.max_drop, higher_is_better=False, bounds=(-1.0, 1.0)), 1.0
+    rises = {"min_recovery": None if gate.min_recovery is None else 1 / gate.min_recovery, "max_increase": gate.max_increase}
+    for criterion, scale in ((c, x if c == "min_recovery" else 1 + x) for c, x in rises.items() if x is not None):
+        out[criterion] = betting.Spec("mean", 0.0, higher_is_better=False, bounds=(-scale, 1.0)), scale
+    return out
+
+
+def _higher_is_better(gate: GateSpec, metric: str) -> dict[str, tuple[betting.Spec, float]]:
+    """`max_drop` a bets on b_i - q_i against a; `min_recovery` r on r b_i - q_i against 0, in [-1, r]."""
+    if gate.max_increase is not None:
+        raise ValueError(f"{metric}: max_increase is for lower-is-better metrics; a score where higher is better takes max_drop")
+    out: dict[str, tuple[betting.Spec, float]] = {}
     if gate.max_drop is not None:
         out["max_drop"] = betting.Spec("mean", gate.max_drop, bounds=(-1.0, 1.0)), 1.0
     if gate.min_recovery is not None:
@@ -104,7 +121,8 @@ def decide_gate(
         scaled = base if scale == 1.0 else {k: scale * float(v) for k, v in base.items()}
         decisions[criterion] = betting.decide(scaled, quant, spec, population, carried, alpha, limit=limit)
         if spec.kind != "perplexity":
-            terms[criterion] = {str(k): float(v) - float(quant[k]) for k, v in scaled.items() if k in quant}
+            sign = 1.0 if higher_is_better else -1.0  # the degradation bet on: baseline minus quantized, or the reverse
+            terms[criterion] = {str(k): sign * (float(v) - float(quant[k])) for k, v in scaled.items() if k in quant}
         else:  # the loss change per word (or byte) bet on (the item's [loglikelihood, count])
             terms[criterion] = {str(k): (float(v[0]) - float(quant[k][0])) / float(v[1]) for k, v in base.items() if k in quant}
     reason = "; ".join(f"{c}: {d.reason}" for c, d in decisions.items())
@@ -141,23 +159,21 @@ def bettable(
     counts: dict[int, float] | None = None,
     targets: bool = False,
 ) -> bool:
-    """Whether `decide_gate` decides this gate today: per-item scores in [0, 1], higher is better, no
-    max_increase; or a corpus perplexity ([loglikelihood, count] per document) with every document's
+    """Whether `decide_gate` decides this gate today: per-item scores in [0, 1] (max_increase only where
+    lower is better); or a corpus perplexity ([loglikelihood, count] per document) with every document's
     `counts` (words or bytes), by which its order is size-biased, or lm-eval's `perplexity` on a task
     whose items are one target each (`targets`: its output_type is loglikelihood, not rolling), with
     criteria that do not rest on the measured baseline and an allowance inside the cap."""
     if not base or not quant:
         return False
+    try:  # a criterion no bet is declared for (hypotheses says why): stats.py's checks and bound instead
+        hypotheses(gate, metric, higher_is_better)
+    except ValueError:
+        return False
     if metric.partition(",")[0] in PERPLEXITY_UNITS:
-        try:  # a criterion on the measured baseline, or an allowance at or past the cap: stats.py's bound instead
-            hypotheses(gate, metric, higher_is_better)
-        except ValueError:
-            return False
         pairs = list(base.values()) + list(quant.values())
         known = counts is not None if counted(metric) else targets
         return known and all(isinstance(v, list) and len(v) == 2 for v in pairs)
-    if not higher_is_better or gate.max_increase is not None:
-        return False
     values = list(base.values()) + list(quant.values())
     return all(isinstance(v, float) and 0.0 <= v <= 1.0 for v in values)
 
