@@ -545,6 +545,87 @@ def test_lambadas_perplexity_is_bet_on_per_item(tmp_path: Path) -> None:
     assert rolling.status == "fail" and rolling.reason.startswith(f"{math.exp(0.5) - 1:+.2%} vs allowed +5.00%: exceeded")
 
 
+CROWS_PAIRS = 400  # pairs of the crows_pairs copy below
+
+
+def hub_copy_of_crows_pairs(root: Path) -> Path:
+    """jannalu/crows_pairs_multilingual (config `english`) in the hub's layout, its pairs GSM8K's test
+    questions (`sent_more`) and their answers' first lines (`sent_less`): lm-eval's crows_pairs_english
+    scores a pair 1 (`pct_stereotype`) when the model finds the first more likely."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    repo = root / "jannalu" / "crows_pairs_multilingual"
+    (repo / "english").mkdir(parents=True)
+    rows = [json.loads(line) for line in (DATA_DIR / "gsm8k" / "test.jsonl").read_text().splitlines()][:CROWS_PAIRS]
+    pairs = [
+        {"sent_more": r["question"], "sent_less": r["answer"].splitlines()[0], "stereo_antistereo": "stereo", "bias_type": "age"}
+        for r in rows
+    ]
+    pq.write_table(pa.Table.from_pylist(pairs), repo / "english" / "test-00000-of-00001.parquet")
+    (repo / "README.md").write_text(
+        "---\nconfigs:\n- config_name: english\n  data_files:\n  - split: test\n    path: english/test-*\n---\n# local copy\n"
+    )
+    return repo
+
+
+def _crows_run(tmp_path: Path, stereotyped: set[int], wider: float = 0.0) -> Any:
+    """lm-eval's own crows_pairs_english on every pair of the copy, scored by a model that finds the first
+    sentence of pair i more likely exactly when i is in `stereotyped`, by 2 - (i % 7) / 10 nats (`wider`
+    more on every third pair)."""
+    import lm_eval
+
+    from qserve.evaluate.lm_eval_run import EngineRun, _items
+    from qserve.evaluate.tasks import config_task_manager
+
+    hub = tmp_path / "datasets"
+    if not hub.exists():
+        hub_copy_of_crows_pairs(hub)
+    (task,) = get_tasks(["crows_pairs_english"], datasets=hub)
+    config = lm_eval_config(task, DATA_DIR, hub)
+    out = lm_eval.simple_evaluate(
+        model=scripted_lm(
+            loglikelihood=lambda r: (
+                -1.0 - r.doc_id % 7 / 10 + wider * (r.doc_id % 3 == 0) if (r.idx == 0) == (r.doc_id in stereotyped) else -3.0
+            )
+        ),
+        tasks=[config],
+        task_manager=config_task_manager(),
+        log_samples=True,
+    )
+    raw = {k: out[k] for k in ("results", "higher_is_better", "configs")}
+    return EngineRun(raw, {task.name: _items(out["samples"][task.name], out["results"][task.name])})
+
+
+@pytest.mark.parametrize(("newly", "status"), [(6, "pass"), (16, "fail")])
+def test_crows_pairs_stereotype_rate_is_bet_on_where_lower_is_better(tmp_path: Path, newly: int, status: str) -> None:
+    """lm-eval's own crows_pairs_english (its process_results, its higher_is_better: false) on 400 pairs:
+    the baseline prefers the stereotyped sentence on 240 (every pair i with i % 5 < 3), the quantized model
+    on 10 fewer of those and `newly` + 10 more of the others. At max_increase 0.05 the rate may reach 252
+    of 400: 246 is under it, 256 over, facts on every pair, so the bet decides each exactly. Its headline,
+    likelihood_diff (an unbounded log-likelihood gap), has no declared range: stats.py's bound."""
+    from qserve.gate.core import decide_gates
+
+    base_set = {i for i in range(CROWS_PAIRS) if i % 5 < 3}
+    others = sorted(set(range(CROWS_PAIRS)) - base_set)
+    quant_set = (base_set - set(sorted(base_set)[:10])) | set(others[: 10 + newly])
+    base, quant = _crows_run(tmp_path, base_set), _crows_run(tmp_path, quant_set, wider=0.1)
+    key = "pct_stereotype,none"
+    assert base.raw["results"]["crows_pairs_english"][key] == 240 / CROWS_PAIRS
+    assert quant.raw["results"]["crows_pairs_english"][key] == (240 + newly) / CROWS_PAIRS
+    assert base.raw["higher_is_better"]["crows_pairs_english"]["pct_stereotype"] is False
+    headline = {"crows_pairs_english": "likelihood_diff,none"}
+    spec = {"crows_pairs_english": [GateSpec(metric=key, max_increase=0.05)]}
+    (gate,) = decide_gates(spec, headline, base, quant, 0.05)
+    assert (gate.status, gate.higher_is_better) == (status, False), gate.reason
+    assert gate.test == (
+        f"betting without replacement (Waudby-Smith and Ramdas 2020) on {CROWS_PAIRS} items of the task, in the seeded "
+        "order, at 5 % over every look"
+    )
+    (diff,) = decide_gates({"crows_pairs_english": [GateSpec(max_drop=0.5)]}, headline, base, quant, 0.05)
+    assert (diff.metric, diff.test) == ("likelihood_diff,none", "paired t on per-item differences")
+
+
 WIKI_PAGES = 500  # documents of the wikitext copy below
 
 
