@@ -478,9 +478,12 @@ def hub_copy_of_lambada(root: Path) -> Path:
     return repo
 
 
-def _lambada_run(tmp_path: Path, worse_by: Callable[[int], float]) -> Any:
-    """lm-eval's own lambada_openai on 300 passages, scored by a model whose log-likelihood of passage i's
-    last word is -1 - (i % 7) / 2 - worse_by(i), through qserve's collection of its per-item values."""
+def _scripted_run(
+    tmp_path: Path, name: str, hub_copy: Callable[[Path], Any], loglikelihood: Callable[[Any], float], first: int | None = None
+) -> Any:
+    """lm-eval's own registered task `name` on its hub-layout copy (`hub_copy`, made once under tmp_path),
+    scored by `loglikelihood(request)` (its first `first` documents, else every one), through qserve's
+    collection of its per-item values."""
     import lm_eval
 
     from qserve.evaluate.lm_eval_run import EngineRun, _items
@@ -488,18 +491,26 @@ def _lambada_run(tmp_path: Path, worse_by: Callable[[int], float]) -> Any:
 
     hub = tmp_path / "datasets"
     if not hub.exists():
-        hub_copy_of_lambada(hub)
-    (task,) = get_tasks(["lambada_openai"], datasets=hub)
+        hub_copy(hub)
+    (task,) = get_tasks([name], datasets=hub)
     config = lm_eval_config(task, DATA_DIR, hub)
     out = lm_eval.simple_evaluate(
-        model=scripted_lm(loglikelihood=lambda r: -1.0 - (r.doc_id % 7) / 2 - worse_by(r.doc_id)),
+        model=scripted_lm(loglikelihood=loglikelihood),
         tasks=[config],
         task_manager=config_task_manager(),
         log_samples=True,
-        samples={task.name: list(range(300))},
+        **({"samples": {task.name: list(range(first))}} if first else {}),
     )
     raw = {k: out[k] for k in ("results", "higher_is_better", "configs")}
     return EngineRun(raw, {task.name: _items(out["samples"][task.name], out["results"][task.name])})
+
+
+def _lambada_run(tmp_path: Path, worse_by: Callable[[int], float]) -> Any:
+    """lm-eval's own lambada_openai on 300 passages, scored by a model whose log-likelihood of passage i's
+    last word is -1 - (i % 7) / 2 - worse_by(i)."""
+    return _scripted_run(
+        tmp_path, "lambada_openai", hub_copy_of_lambada, lambda r: -1.0 - (r.doc_id % 7) / 2 - worse_by(r.doc_id), 300
+    )
 
 
 def test_lambadas_perplexity_is_bet_on_per_item(tmp_path: Path) -> None:
@@ -573,28 +584,12 @@ def _crows_run(tmp_path: Path, stereotyped: set[int], wider: float = 0.0) -> Any
     """lm-eval's own crows_pairs_english on every pair of the copy, scored by a model that finds the first
     sentence of pair i more likely exactly when i is in `stereotyped`, by 2 - (i % 7) / 10 nats (`wider`
     more on every third pair)."""
-    import lm_eval
 
-    from qserve.evaluate.lm_eval_run import EngineRun, _items
-    from qserve.evaluate.tasks import config_task_manager
+    def loglikelihood(r: Any) -> float:
+        preferred = (r.idx == 0) == (r.doc_id in stereotyped)
+        return -1.0 - r.doc_id % 7 / 10 + wider * (r.doc_id % 3 == 0) if preferred else -3.0
 
-    hub = tmp_path / "datasets"
-    if not hub.exists():
-        hub_copy_of_crows_pairs(hub)
-    (task,) = get_tasks(["crows_pairs_english"], datasets=hub)
-    config = lm_eval_config(task, DATA_DIR, hub)
-    out = lm_eval.simple_evaluate(
-        model=scripted_lm(
-            loglikelihood=lambda r: (
-                -1.0 - r.doc_id % 7 / 10 + wider * (r.doc_id % 3 == 0) if (r.idx == 0) == (r.doc_id in stereotyped) else -3.0
-            )
-        ),
-        tasks=[config],
-        task_manager=config_task_manager(),
-        log_samples=True,
-    )
-    raw = {k: out[k] for k in ("results", "higher_is_better", "configs")}
-    return EngineRun(raw, {task.name: _items(out["samples"][task.name], out["results"][task.name])})
+    return _scripted_run(tmp_path, "crows_pairs_english", hub_copy_of_crows_pairs, loglikelihood)
 
 
 @pytest.mark.parametrize(("newly", "status"), [(6, "pass"), (16, "fail")])
