@@ -437,19 +437,11 @@ def _another_solution(one: dict, two: dict, source: dict) -> list[str]:
     return found
 
 
-# Not bit-exact, by the arithmetic: each rank sums its share's Hessian, then the ranks' sums are
-# added (another order of the same float sums). GPTQ's rounding is sequential with error feedback,
-# so a flipped decision moves the codes after it, and a layer's changed codes change the inputs
-# every later layer is calibrated on. Measured on the embedded model (w4a16-gptq, 1 vs 2 processes,
-# the 8 samples of 128 tokens this test runs, conftest.SHRUNK): scales identical in every run; one
-# process is deterministic (3 runs bit-identical), two are not. Per-layer distance ratio, its
-# extremes per run: 2026-11-23 AMD EPYC 0.994-1.011; 2026-11-28 CI, AMD EPYC with AVX-512 BF16,
-# max 1.0238; 2026-12-07 that kind, 3 runs: 0.9903-1.0159, 0.9914-1.0176, 0.9936-1.0184; codes more
-# than one step apart 1.06-1.07 % in every run. Bounds: the runs' mean extreme plus 3 standard
-# deviations of it (upper 1.0189 + 3 x 0.0034, lower 0.9922 - 3 x 0.0014), rounded outward to 0.005;
-# one step: 0.3 points over the measured 1.07 %. Another seeded draw of the 8 samples (GPTQ on one
-# process, 2026-12-07) lies outside: ratios 0.965-1.011 (49 layers below 0.985), 1.80 % of codes
-# more than one step apart; the test checks it fails.
+# Not bit-exact, by the arithmetic: the ranks' Hessian sums are added in another order, and GPTQ's
+# sequential rounding carries a flipped decision forward. Measured spread (w4a16-gptq shrunk, 2 processes
+# against 1, 5 runs on AMD EPYC kinds): per-layer distance ratio extremes 0.990-0.994 and 1.011-1.024,
+# codes more than one step apart 1.06-1.07 %. Bounds: the mean extreme +- 3 sd, rounded out to 0.005;
+# one step 0.3 points over 1.07 %. Another seeded draw of the samples (ratios 0.965-1.011, 1.80 %) must fail.
 DDP_MAX_BEYOND_ONE_STEP = 0.014
 DDP_ERROR_RATIO = (0.985, 1.03)
 

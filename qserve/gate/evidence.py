@@ -68,10 +68,16 @@ def hypotheses(gate: GateSpec, metric: str, higher_is_better: bool) -> dict[str,
     out: dict[str, tuple[betting.Spec, float]] = {}
     if gate.max_drop is not None:
         out["max_drop"] = betting.Spec("mean", gate.max_drop, higher_is_better=False, bounds=(-1.0, 1.0)), 1.0
-    rises = {"min_recovery": None if gate.min_recovery is None else 1 / gate.min_recovery, "max_increase": gate.max_increase}
-    for criterion, scale in ((c, x if c == "min_recovery" else 1 + x) for c, x in rises.items() if x is not None):
-        out[criterion] = betting.Spec("mean", 0.0, higher_is_better=False, bounds=(-scale, 1.0)), scale
+    if gate.min_recovery is not None:
+        out["min_recovery"] = _at_most_scaled(1 / gate.min_recovery)
+    if gate.max_increase is not None:
+        out["max_increase"] = _at_most_scaled(1 + gate.max_increase)
     return out
+
+
+def _at_most_scaled(scale: float) -> tuple[betting.Spec, float]:
+    """Lower is better: mean q <= scale * mean b, as a bet on q_i - scale b_i against 0."""
+    return betting.Spec("mean", 0.0, higher_is_better=False, bounds=(-scale, 1.0)), scale
 
 
 def _higher_is_better(gate: GateSpec, metric: str) -> dict[str, tuple[betting.Spec, float]]:
@@ -237,11 +243,12 @@ def _size_biased(task: str, scored: list[str], counts: dict[int, float], size: i
     if unknown := sorted(set(scored) - set(place))[:5]:
         raise ValueError(f"{task}: scored documents outside the task: {', '.join(unknown)}")
     first = min((place[i] for i in scored), default=0)
-    if (size is None or len(order) >= size) and set(order[first : first + len(scored)]) == set(scored):
+    covers = size is None or len(order) >= size  # counts of every document: runs elsewhere count only theirs
+    if covers and set(order[first : first + len(scored)]) == set(scored):
         rest = order[first:]
         population = betting.Population.in_order(rest, {i: weights[i] for i in rest})
         return Ordered(population, len(rest), first == 0, first == 0, first)
     own = [i for i in order if i in set(scored)]
     population = betting.Population.in_order(own, {i: weights[i] for i in own})
-    whole = len(own) == len(order) and (size is None or len(own) >= size)
+    whole = covers and len(own) == len(order)
     return Ordered(population, len(own), whole, whole)
