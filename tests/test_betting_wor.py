@@ -618,3 +618,39 @@ def test_lower_is_better_passes_an_unchanged_rate_by_the_end() -> None:
     print(f"\nlower is better, unchanged rate at max_increase 0.05: median items to a pass {median}")
     assert float(np.mean(to_fail < to_pass)) == 0.0 and float(np.mean(to_pass <= CROWS)) == 1.0
     assert median <= 1.15 * UNCHANGED_MEDIAN
+
+
+# A score in a declared score_range (truthfulqa_gen's bleu_max in [0, 100], 817 questions): max_drop 2 points
+# bets on b_i - q_i in [-100, 100] (gate/evidence.py; tests/test_gate_evidence.py shows it is the [0, 1] bet
+# scaled). Level and power here in those units, computed from the differences, not through qserve's mapping.
+TRUTHFUL, BLEU_DROP = 817, 2.0
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_declared_score_range_keeps_the_level_for_every_shape(shape: str) -> None:
+    """BLEU drops with mean exactly 2 points: normal, skewed, heavy-tailed, and carried by 1, 2 or 5 % of the
+    answers at the range's end; over 2,000 orders neither bettor reaches 1/alpha at any item more often than
+    the level (+3 SE)."""
+    values = _population(shape, BLEU_DROP, 100.0, TRUTHFUL, np.random.default_rng([71, SHAPES.index(shape)]))
+    passes, fails = _false_rates(values, -100.0, 100.0, BLEU_DROP, [72, SHAPES.index(shape)])
+    print(f"\nscore_range [0, 100], {shape} at max_drop 2: false pass {passes}, false fail {fails}")
+    assert passes <= LIMIT and fails <= LIMIT
+
+
+# Median answers to a pass with no true loss and per-answer BLEU changes of sd 15 points at max_drop 2, measured
+# (seeded) below: seeds 61, 62 and 63 gave 321, 317.5 and 323 (2 % apart), asserted with 15 % over it.
+BLEU_MEDIAN = 320
+
+
+def test_a_declared_score_range_passes_an_unchanged_model_well_before_the_end() -> None:
+    """Power: BLEU changes per answer of sd 15 points (clipped to the range) with mean 0, max_drop 2. Over
+    1,000 orders none fails, every one passes by the end, and the median stays within 15 % of the measured."""
+    rng = np.random.default_rng(61)
+    d = np.clip(rng.normal(0.0, 15.0, TRUTHFUL), -95.0, 95.0)
+    d -= d.mean()
+    paths = betting.wor_paths(_orders(d, 1000, np.random.default_rng(71)), -100.0, 100.0, BLEU_DROP, TRUTHFUL)
+    to_pass, to_fail = _first(paths["log_wealth_pass"]), _first(paths["log_wealth_fail"])
+    median = _median_to_pass(paths)
+    print(f"\nscore_range [0, 100], unchanged at max_drop 2: median answers to a pass {median}")
+    assert float(np.mean(to_fail < to_pass)) == 0.0 and float(np.mean(to_pass <= TRUTHFUL)) == 1.0
+    assert median <= 1.15 * BLEU_MEDIAN

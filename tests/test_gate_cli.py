@@ -528,19 +528,18 @@ def test_runs_not_of_the_checkpoint_are_refused_before_deciding(tmp_path: Path, 
     assert sorted(p.name for p in ckpt.iterdir()) == files and not (tmp_path / "gate.json").exists()  # nothing written
 
 
-def _stereotype_run(root: Path, name: str, scores: list[float]) -> Path:
-    """A run in lm-eval's layout of a task whose per-item score is lower-is-better (crows_pairs' pct_stereotype)."""
+def _one_metric_run(root: Path, name: str, scores: list[float], task: str = "crows", metric: str = "pct_stereotype") -> Path:
+    """A run in lm-eval's layout of a task with one per-item metric: by default lower-is-better (crows_pairs'
+    pct_stereotype); another `metric` is higher-is-better."""
     folder = root / name / "org__model"
     folder.mkdir(parents=True)
     results = {
-        "results": {
-            "crows": {"alias": "crows", "pct_stereotype,none": sum(scores) / len(scores), "pct_stereotype_stderr,none": 0.02}
-        },
-        "higher_is_better": {"crows": {"pct_stereotype": False}},
+        "results": {task: {"alias": task, f"{metric},none": sum(scores) / len(scores), f"{metric}_stderr,none": 0.02}},
+        "higher_is_better": {task: {metric: metric != "pct_stereotype"}},
     }
     (folder / "results_2026-12-07T10-00-00.json").write_text(json.dumps(results))
-    lines = [{"doc_id": i, "filter": "none", "pct_stereotype": v} for i, v in enumerate(scores)]
-    (folder / "samples_crows_2026-12-07T10-00-00.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    lines = [{"doc_id": i, "filter": "none", metric: v} for i, v in enumerate(scores)]
+    (folder / f"samples_{task}_2026-12-07T10-00-00.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     return root / name
 
 
@@ -554,7 +553,7 @@ def test_a_lower_is_better_score_is_bet_on_and_decided_exactly_on_every_item(
     base = [1.0] * 240 + [0.0] * 160
     quant = [0.0] * 10 + [1.0] * 230 + [1.0] * (10 + newly) + [0.0] * (150 - newly)
     assert (sum(base), sum(quant)) == (240, 240 + newly)
-    b, q = _stereotype_run(tmp_path, "base", base), _stereotype_run(tmp_path, "quant", quant)
+    b, q = _one_metric_run(tmp_path, "base", base), _one_metric_run(tmp_path, "quant", quant)
     proc = run_qserve_in_process("gate", b, q, "--tasks", "crows", "--gate", "crows:max_increase=0.05", "--json")
     assert proc.returncode == code, proc.stderr
     (gate,) = json.loads(proc.stdout)["gates"]
@@ -562,3 +561,35 @@ def test_a_lower_is_better_score_is_bet_on_and_decided_exactly_on_every_item(
     assert (gate["status"], gate["higher_is_better"], gate["evidence"]["whole"]) == (verdict.lower(), False, True)
     # What was bet on, recomputed: q - 1.05 b per item, mean below 0 exactly when the rate rose by less than 5 %.
     assert (sum(quant) - 1.05 * sum(base) < 0) == (verdict == "PASS")
+
+
+@pytest.mark.parametrize(("drop", "code", "verdict"), [(1, 0, "PASS"), (3, 3, "FAIL")])
+def test_a_score_in_a_declared_range_is_bet_on_from_the_cli(tmp_path: Path, drop: int, code: int, verdict: str) -> None:
+    """truthfulqa_gen-like BLEU in [0, 100] on 400 answers: the quantized model `drop` points lower on 200 of
+    them (a mean drop of drop / 2, recomputed), max_drop 1.25 points. Declared with score_range it is bet on and
+    decided exactly on every answer; without it, stats.py's bound decides (not a bet)."""
+    base = [float(v % 101) for v in range(0, 400 * 37, 37)]
+    quant = [v - drop if k % 2 == 0 and v >= drop else v for k, v in enumerate(base)]
+    mean_drop = (sum(base) - sum(quant)) / 400
+    assert (mean_drop < 1.25) == (verdict == "PASS")
+    b, q = (_one_metric_run(tmp_path, n, s, "truthful", "bleu_max") for n, s in (("base", base), ("quant", quant)))
+    gate = ("--gate", "truthful@bleu_max:max_drop=1.25")
+    proc = run_qserve_in_process(
+        "gate", b, q, "--tasks", "truthful", *gate, "--gate", "truthful@bleu_max:score_range=0,100", "--json"
+    )
+    assert proc.returncode == code, proc.stderr
+    (found,) = json.loads(proc.stdout)["gates"]
+    assert found["test"] == BETTING + (
+        "400 items of the task, in the seeded order, each item's score within the declared score_range [0, 100], at 5 % over every look"
+    )
+    assert (found["status"], found["higher_is_better"], found["degradation"]) == (verdict.lower(), True, pytest.approx(mean_drop))
+    plain = run_qserve_in_process("gate", b, q, "--tasks", "truthful", *gate, "--json")
+    assert not json.loads(plain.stdout)["gates"][0]["test"].startswith(BETTING)
+
+
+def test_a_score_range_on_the_cli_is_two_numbers() -> None:
+    proc = run_qserve_in_process("gate", "a", "b", "--gate", "truthful@bleu_max:score_range=100", "--json")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "error: --gate 'truthful@bleu_max:score_range=100': score_range is two numbers, the lowest score and the highest, e.g. 0,100"
+    ]

@@ -219,3 +219,116 @@ def test_a_recipe_may_declare_the_cap_and_a_cap_that_could_never_fail_is_refused
         InvalidSpec, match=r"cap 0\.05 nats per word is at or below the allowed rise's log\(1 \+ 0\.05263\) = 0\.05129"
     ):
         check_allowance("gsm8k_ppl", GateSpec(min_recovery=0.95, cap=0.05), "word_perplexity,none")
+
+
+# truthfulqa_gen's bleu_max: each answer's best BLEU against the true references, 0 to 100, on 817 questions.
+TRUTHFUL = 817
+BLEU = (0.0, 100.0)
+
+
+def _bleu_pair(rng: random.Random, drop: float) -> tuple[dict, dict]:
+    """Baseline BLEU-like scores (a third of the answers 0, the rest spread up to 100) and the quantized
+    model's, each `drop` points lower where there is room (clipped at 0)."""
+    base = {i: 0.0 if rng.random() < 1 / 3 else min(100.0, rng.expovariate(1 / 30)) for i in range(TRUTHFUL)}
+    quant = {i: max(0.0, v - drop) for i, v in base.items()}
+    return base, quant
+
+
+def test_a_declared_score_range_bets_as_the_same_scores_scaled_into_0_1() -> None:
+    """Every criterion on scores in [0, 100] is the bet on the same scores divided by 100 in [0, 1] (the bet is
+    scale-free: its range, allowance and pseudo-item scale together), so the level and power shown for [0, 1]
+    carry over; computed here through both ranges."""
+    base, quant = _bleu_pair(random.Random(5), drop=1.0)
+    order = Population.in_order(random.Random(6).sample(range(TRUTHFUL), TRUTHFUL))
+    for points, range_spec, unit_spec in (
+        (True, GateSpec(max_drop=2.0, score_range=BLEU), GateSpec(max_drop=0.02)),
+        (True, GateSpec(min_recovery=0.9, score_range=BLEU), GateSpec(min_recovery=0.9)),
+        (False, GateSpec(max_increase=0.05, max_drop=2.0, score_range=BLEU), GateSpec(max_increase=0.05, max_drop=0.02)),
+    ):
+        scaled = [{i: v / 100 for i, v in side.items()} for side in (base, quant)]
+        sides = (base, quant) if points else (quant, base)  # lower is better: the quantized model scored lower
+        wide = decide_gate(*sides, range_spec, "bleu_max,none", points, order)
+        unit = decide_gate(*(scaled if points else scaled[::-1]), unit_spec, "bleu_max,none", points, order)
+        assert wide.status == unit.status and set(wide.criteria) == set(unit.criteria)
+        for c in wide.criteria:
+            w, u = wide.criteria[c], unit.criteria[c]
+            assert (w.decision, w.items) == (u.decision, u.items)
+            assert math.log(w.wealth_pass) == pytest.approx(math.log(u.wealth_pass), abs=1e-9)
+            assert math.log(w.wealth_fail) == pytest.approx(math.log(u.wealth_fail), abs=1e-9)
+    assert {
+        c: s.bet_range()
+        for c, (s, _) in hypotheses(GateSpec(max_drop=2.0, min_recovery=0.9, score_range=BLEU), "bleu_max,none", True).items()
+    } == {
+        "max_drop": (-100.0, 100.0, 2.0),
+        "min_recovery": (-100.0, 90.0, 0.0),  # 0.9 b - q over b, q in [0, 100]
+    }
+
+
+@pytest.mark.parametrize(("drop", "status"), [(0.5, "pass"), (4.0, "fail")])
+def test_bleu_in_its_declared_range_passes_a_small_drop_and_fails_a_large_one(drop: float, status: str) -> None:
+    """Every answer scored: the mean BLEU drop (recomputed here) against max_drop 2 points decides exactly."""
+    base, quant = _bleu_pair(random.Random(7), drop)
+    mean_drop = sum(base[i] - quant[i] for i in base) / TRUTHFUL
+    assert (mean_drop < 2.0) == (status == "pass") and 0 < mean_drop
+    order = Population.in_order(random.Random(8).sample(range(TRUTHFUL), TRUTHFUL))
+    got = decide_gate(base, quant, GateSpec(max_drop=2.0, score_range=BLEU), "bleu_max,none", True, order)
+    assert got.status == status, got.reason
+
+
+def test_a_score_outside_the_declared_range_fails_the_gate_naming_it() -> None:
+    base, quant = _bleu_pair(random.Random(9), drop=0.5)
+    quant[12] = 100.5
+    quant[13] = 100.00000000000004  # sacrebleu's exact match: rounding, not outside the range
+    order = Population.in_order(random.Random(10).sample(range(TRUTHFUL), TRUTHFUL))
+    got = decide_gate(base, quant, GateSpec(max_drop=2.0, score_range=BLEU), "bleu_max,none", True, order)
+    assert got.status == "fail"
+    assert got.reason == (
+        "max_drop: document 12: a score lies outside the declared score_range [0, 100] (or is not finite): the test cannot bet on it"
+    )
+
+
+@pytest.mark.parametrize(
+    ("spec", "metric", "message"),
+    [
+        (
+            {"max_drop": 2.0, "score_range": (0.0, 1.5)},
+            "bleu_max,none",
+            "gate on truthfulqa_gen: max_drop=2 on bleu_max, whose items score in [0, 1.5], can never fail; give a drop below 1.5",
+        ),
+        (
+            {"min_recovery": 0.9, "score_range": (-100.0, 100.0)},
+            "bleu_diff,none",
+            "gate on truthfulqa_gen: a recovery or a relative increase of bleu_diff needs scores of one sign; "
+            "its score_range [-100, 100] takes max_drop",
+        ),
+        (
+            {"max_increase": 0.05, "score_range": (0.0, 100.0)},
+            "word_perplexity,none",
+            "gate on truthfulqa_gen: score_range is for per-item scores; word_perplexity is bet on within its cap",
+        ),
+    ],
+)
+def test_a_score_range_that_could_never_fail_or_does_not_apply_is_one_error_line(spec: dict, metric: str, message: str) -> None:
+    from qserve.errors import InvalidSpec
+    from qserve.spec.gates import check_allowance
+
+    with pytest.raises(InvalidSpec) as e:
+        check_allowance("truthfulqa_gen", GateSpec(**spec), metric)
+    assert str(e.value) == message
+
+
+def test_a_score_range_names_its_lowest_score_first() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(
+        ValidationError, match=r"score_range \[100\.0, 0\.0\] must name the lowest score first, then a higher one"
+    ):
+        GateSpec(max_drop=2.0, score_range=(100.0, 0.0))
+
+
+def test_a_recipe_declares_a_score_range_as_yaml_writes_it() -> None:
+    from qserve.spec.recipe import parse_recipe
+
+    text = "name: r\nscheme: W8A8\ngates:\n  truthfulqa_gen: {metric: bleu_max, max_drop: 2, score_range: [0, 100]}\n"
+    (gate,) = parse_recipe(text, "r.yaml").gates["truthfulqa_gen"]
+    assert (gate.metric, gate.max_drop, gate.score_range) == ("bleu_max", 2.0, (0.0, 100.0))

@@ -479,10 +479,15 @@ def hub_copy_of_lambada(root: Path) -> Path:
 
 
 def _scripted_run(
-    tmp_path: Path, name: str, hub_copy: Callable[[Path], Any], loglikelihood: Callable[[Any], float], first: int | None = None
+    tmp_path: Path,
+    name: str,
+    hub_copy: Callable[[Path], Any],
+    loglikelihood: Callable[[Any], float],
+    first: int | None = None,
+    generate: Callable[[Any], str] | None = None,
 ) -> Any:
     """lm-eval's own registered task `name` on its hub-layout copy (`hub_copy`, made once under tmp_path),
-    scored by `loglikelihood(request)` (its first `first` documents, else every one), through qserve's
+    scored by `loglikelihood(request)` (and `generate(request)`) (its first `first` documents, else every one), through qserve's
     collection of its per-item values."""
     import lm_eval
 
@@ -495,7 +500,7 @@ def _scripted_run(
     (task,) = get_tasks([name], datasets=hub)
     config = lm_eval_config(task, DATA_DIR, hub)
     out = lm_eval.simple_evaluate(
-        model=scripted_lm(loglikelihood=loglikelihood),
+        model=scripted_lm(generate=generate, loglikelihood=loglikelihood),
         tasks=[config],
         task_manager=config_task_manager(),
         log_samples=True,
@@ -619,6 +624,82 @@ def test_crows_pairs_stereotype_rate_is_bet_on_where_lower_is_better(tmp_path: P
     )
     (diff,) = decide_gates({"crows_pairs_english": [GateSpec(max_drop=0.5)]}, headline, base, quant, 0.05)
     assert (diff.metric, diff.test) == ("likelihood_diff,none", "paired t on per-item differences")
+
+
+TRUTHFUL = 40  # questions of the truthful_qa copy below (sacrebleu and rouge_score take ~0.1 s a question)
+
+
+def hub_copy_of_truthful_qa(root: Path) -> Path:
+    """truthfulqa/truthful_qa (config `generation`, split validation) in the hub's layout, its questions
+    GSM8K's test questions: the true answer "The answer is N." (N, GSM8K's), the false one N + 1."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    repo = root / "truthfulqa" / "truthful_qa"
+    (repo / "generation").mkdir(parents=True)
+    rows = [json.loads(line) for line in (DATA_DIR / "gsm8k" / "test.jsonl").read_text().splitlines()][:TRUTHFUL]
+    answers = [int(r["answer"].rpartition("#### ")[2].replace(",", "")) for r in rows]
+    questions = [
+        {
+            "type": "Adversarial",
+            "category": "Math",
+            "question": r["question"],
+            "best_answer": f"The answer is {n}.",
+            "correct_answers": [f"The answer is {n}."],
+            "incorrect_answers": [f"The answer is {n + 1}."],
+            "source": "gsm8k",
+        }
+        for r, n in zip(rows, answers)
+    ]
+    pq.write_table(pa.Table.from_pylist(questions), repo / "generation" / "validation-00000-of-00001.parquet")
+    (repo / "README.md").write_text(
+        "---\nconfigs:\n- config_name: generation\n  data_files:\n  - split: validation\n    path: generation/validation-*\n---\n"
+    )
+    return repo
+
+
+def _truthful_run(tmp_path: Path, rambles: int) -> Any:
+    """lm-eval's own truthfulqa_gen on the copy, by a model that answers each question with its true answer,
+    and on every `rambles`-th question (0: none) says more than it: "The answer is N, I think, but check it." """
+
+    def generate(r: Any) -> str:
+        true = r.doc["correct_answers"][0].removesuffix(".")
+        return true + (", I think, but check it." if rambles and r.doc_id % rambles == 0 else ".")
+
+    return _scripted_run(tmp_path, "truthfulqa_gen", hub_copy_of_truthful_qa, lambda r: 0.0, generate=generate)
+
+
+@pytest.fixture(scope="module")
+def truthful_baseline(tmp_path_factory) -> tuple[Path, Any]:
+    """The truthful_qa copy's folder and the baseline's run on it, shared by the parametrized test below."""
+    root = tmp_path_factory.mktemp("truthful")
+    return root, _truthful_run(root, 0)
+
+
+@pytest.mark.parametrize(("rambles", "status"), [(10, "pass"), (2, "fail")])
+def test_truthfulqa_gens_bleu_is_bet_on_in_its_declared_range(
+    truthful_baseline: tuple[Path, Any], rambles: int, status: str
+) -> None:
+    """lm-eval's own truthfulqa_gen (sacrebleu's BLEU, 0 to 100 per answer, its headline bleu_max) on 40
+    questions: the baseline answers each with its true answer, the quantized model rambles on every
+    `rambles`-th. Declared in [0, 100], max_drop 10 points is bet on and decided exactly on every question:
+    PASS when lm-eval's own mean BLEU fell by less than 10, FAIL when by more; undeclared, stats.py's bound."""
+    from qserve.gate.core import decide_gates
+
+    root, base = truthful_baseline
+    quant = _truthful_run(root, rambles)
+    means = [run.raw["results"]["truthfulqa_gen"]["bleu_max,none"] for run in (base, quant)]
+    assert means[0] == pytest.approx(100.0) and (means[0] - means[1] < 10) == (status == "pass")
+    headline = {"truthfulqa_gen": "bleu_max,none"}
+    spec = {"truthfulqa_gen": [GateSpec(max_drop=10.0, score_range=(0.0, 100.0))]}
+    (gate,) = decide_gates(spec, headline, base, quant, 0.05)
+    assert (gate.metric, gate.status) == ("bleu_max,none", status), gate.reason
+    assert gate.test == (
+        f"betting without replacement (Waudby-Smith and Ramdas 2020) on {TRUTHFUL} items of the task, in the seeded "
+        "order, each item's score within the declared score_range [0, 100], at 5 % over every look"
+    )
+    (plain,) = decide_gates({"truthfulqa_gen": [GateSpec(max_drop=10.0)]}, headline, base, quant, 0.05)
+    assert plain.test == "paired t on per-item differences"
 
 
 WIKI_PAGES = 500  # documents of the wikitext copy below

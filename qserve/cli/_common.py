@@ -70,8 +70,9 @@ GateOpt = Annotated[
         "--gate",
         "-g",
         help="TASK[@METRIC][:CRITERION]=VALUE, repeatable; CRITERION is min_recovery (default), max_drop or "
-        "max_increase (perplexity, relative). E.g. gsm8k=0.9, gsm8k_ppl:max_increase=0.05. Replaces the recipe's gates "
-        "for that task (default: min_recovery 0.95).",
+        "max_increase (perplexity, relative). E.g. gsm8k=0.9, gsm8k_ppl:max_increase=0.05. A per-item score outside "
+        "[0, 1] is bet on in the range you declare: truthfulqa_gen@bleu_max:score_range=0,100 (cap=NATS: a perplexity's). "
+        "Replaces the recipe's gates for that task (default: min_recovery 0.95).",
     ),
 ]
 ParityOpt = Annotated[

@@ -41,7 +41,8 @@ def gate(
     """Apply qserve's paired gate to two lm-eval runs made elsewhere (a GPU cluster, a CI job).
 
     Both runs need `--log_samples` on the same items, few-shot count and prompts: the gate compares them
-    item by item (a test by betting on scores in [0, 1], 0/1 included, taken in the task's seeded order, on
+    item by item (a test by betting on scores in [0, 1], 0/1 included, or in a range the gate declares
+    (truthfulqa_gen@bleu_max:score_range=0,100), taken in the task's seeded order, on
     corpus perplexities by the words or bytes lm-eval counted, and on lambada's perplexity per item; runs on
     part of a task, lm-eval's --limit in file order, are a claim about the scored items alone; a t bound on
     per-document terms for other means; see docs/gates.md). Which way a metric is

@@ -118,6 +118,7 @@ class Spec:
     bounds: tuple[float, float] | None = None  # mean: the declared range of a per-item degradation
     cap: float = DEFAULT_CAP  # perplexity: the largest |loss change| per unit a document may show
     unit: str = "word"  # perplexity: what its log-likelihoods are divided by ("word", "byte" or "item")
+    scores: tuple[float, float] | None = None  # mean: the declared range of each model's per-item score, if not [0, 1]
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -149,10 +150,11 @@ class Spec:
         return self.kind == "perplexity" and self.unit != "item"
 
     def as_dict(self) -> dict[str, Any]:
-        """As Evidence keeps it: the unit only when it is not words, so evidence gathered before bytes
-        were bet on continues."""
+        """As Evidence keeps it: the unit only when it is not words and the scores' range only when declared,
+        so evidence gathered before either existed continues."""
         out = json.loads(json.dumps(asdict(self)))
-        return out if self.unit != "word" else {k: v for k, v in out.items() if k != "unit"}
+        defaults = {"unit": "word", "scores": None}  # left out at these values, as evidence before them kept none
+        return {k: v for k, v in out.items() if k not in defaults or out[k] != defaults[k]}
 
 
 @dataclass(frozen=True)
@@ -524,6 +526,9 @@ def _per_unit_change(base: list, quant: list, count: float, unit: str) -> float:
 def _outside_why(spec: Spec) -> str:
     if spec.kind == "perplexity":
         return f"the loss changed by more than the cap of {spec.cap:.3g} nats per {spec.unit} (or is not finite): the model is broken on it"
+    if spec.scores is not None:
+        lo, hi = spec.scores
+        return f"a score lies outside the declared score_range [{lo:g}, {hi:g}] (or is not finite): the test cannot bet on it"
     lo, hi, _ = spec.bet_range()
     return f"the degradation lies outside the declared range [{lo:g}, {hi:g}] (or is not finite): the test cannot bet on it"
 

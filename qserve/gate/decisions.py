@@ -186,6 +186,8 @@ def decide_by_betting(
         order += f" size-biased by {bet.unit}s, on each document's loss change per {bet.unit} (within ±{bet.cap:.3g} nats)"
     elif bet.kind == "perplexity":
         order += f", on each item's loss change (within ±{bet.cap:.3g} nats)"
+    elif bet.scores is not None:
+        order += f", each item's score within the declared score_range [{bet.scores[0]:g}, {bet.scores[1]:g}]"
     level = EVERY_LOOK if items.free else f"at {found.alpha:.2%}, this look's share of 5 %"
     status, needed = Status(found.status), None
     reason = (

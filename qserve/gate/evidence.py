@@ -8,7 +8,9 @@ bets on, so no allowance rests on a measured baseline:
   r b_i - q_i against 0 in [-1, r], since mean q > r mean b is recovery above r, exactly. Where lower
   is better (crows_pairs' pct_stereotype, a toxicity rate): `max_drop` a bets on q_i - b_i against a;
   `max_increase` a on q_i - (1 + a) b_i against 0 in [-(1 + a), 1], and `min_recovery` r (recovery
-  b / q) on q_i - b_i / r against 0 in [-1/r, 1], each the criterion exactly. The items
+  b / q) on q_i - b_i / r against 0 in [-1/r, 1], each the criterion exactly. Scores in another range
+  the gate declares (`score_range` [lo, hi]: truthfulqa_gen's bleu_max in [0, 100]) are the same bets
+  in the ranges [lo, hi] gives; an item scored outside it fails the gate, named. The items
   are taken without replacement in the task's seeded order (`Population.in_order`); a group's pooled
   items in the group's order (`pooled`), size-biased by 1 / task size where lm-eval weighs its tasks alike.
 - corpus perplexities (word_perplexity by words, byte_perplexity and bits_per_byte by bytes; lm-eval's
@@ -21,12 +23,12 @@ bets on, so no allowance rests on a measured baseline:
 - lm-eval's `perplexity` on a task whose items are one target each (its output_type `loglikelihood`:
   lambada's last word): the same criteria per item (lm-eval's [loglikelihood, 1]), in the task's
   uniform seeded order, each item's loss change within the `cap` (default log 100, betting.DEFAULT_CAPS).
-Anything else (unbounded per-item scores) has no declared range yet and is refused.
+Anything else (per-item scores outside [0, 1] with no declared range) is refused.
 `qserve eval` and `qserve gate` decide every gate `bettable` says yes to through `decide_gate`: scores
-in [0, 1], corpus perplexities with each document's count as lm-eval counts it (`qserve eval`
+in [0, 1] or the declared range, corpus perplexities with each document's count as lm-eval counts it (`qserve eval`
 counts them before any model runs, `qserve gate` reads them from the runs: on part of a task, lm-eval's
 --limit in file order, a claim about the scored documents alone), and `perplexity` per target.
-The rest (unbounded per-item values, rolling tasks' `perplexity`, the criteria refused above) keep stats.py's bounds.
+The rest (per-item values outside [0, 1] with no score_range, `perplexity` on a rolling task, the criteria refused above) keep stats.py's bounds.
 
 A spec with several criteria passes only when every one passes (an intersection-union test: each at
 alpha, so the pass keeps alpha), fails when any fails, and is inconclusive otherwise.
@@ -34,6 +36,7 @@ alpha, so the pass keeps alpha), fails when any fails, and is inconclusive other
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +44,8 @@ from qserve.gate import betting
 from qserve.gate.order import in_seeded_order, item_order, pooled_order, pooled_weights, weighted_order
 from qserve.gate.spending import ALPHA
 from qserve.spec.gates import PERPLEXITY_UNITS, GateSpec, allowed_rises
+
+ROUNDING = 1e-9  # a share of a declared range's width: a score past an end by less is that end, rounded
 
 
 @dataclass(frozen=True)
@@ -62,33 +67,29 @@ def hypotheses(gate: GateSpec, metric: str, higher_is_better: bool) -> dict[str,
     name = metric.partition(",")[0]
     if name in PERPLEXITY_UNITS:
         return {c: (spec, 1.0) for c, spec in _corpus(gate, name).items()}
+    lo, hi = gate.score_range or (0.0, 1.0)
     if higher_is_better:
-        return _higher_is_better(gate, metric)
-    # Lower is better (a rate of stereotyped or toxic answers): the degradation is q_i - s b_i, in [-s, 1].
+        if gate.max_increase is not None:
+            raise ValueError(
+                f"{metric}: max_increase is for lower-is-better metrics; a score where higher is better takes max_drop"
+            )
+        # max_drop a bets on b_i - q_i against a; min_recovery r on r b_i - q_i against 0, in [r lo - hi, r hi - lo].
+        scaled = {"min_recovery": gate.min_recovery}
+    else:
+        # Lower is better (a rate of stereotyped or toxic answers): q_i - b_i against a, or q_i - s b_i against 0,
+        # in [lo - s hi, hi - s lo].
+        scaled = {
+            "min_recovery": None if gate.min_recovery is None else 1 / gate.min_recovery,
+            "max_increase": None if gate.max_increase is None else 1 + gate.max_increase,
+        }
     out: dict[str, tuple[betting.Spec, float]] = {}
     if gate.max_drop is not None:
-        out["max_drop"] = betting.Spec("mean", gate.max_drop, higher_is_better=False, bounds=(-1.0, 1.0)), 1.0
-    if gate.min_recovery is not None:
-        out["min_recovery"] = _at_most_scaled(1 / gate.min_recovery)
-    if gate.max_increase is not None:
-        out["max_increase"] = _at_most_scaled(1 + gate.max_increase)
-    return out
-
-
-def _at_most_scaled(scale: float) -> tuple[betting.Spec, float]:
-    """Lower is better: mean q <= scale * mean b, as a bet on q_i - scale b_i against 0."""
-    return betting.Spec("mean", 0.0, higher_is_better=False, bounds=(-scale, 1.0)), scale
-
-
-def _higher_is_better(gate: GateSpec, metric: str) -> dict[str, tuple[betting.Spec, float]]:
-    """`max_drop` a bets on b_i - q_i against a; `min_recovery` r on r b_i - q_i against 0, in [-1, r]."""
-    if gate.max_increase is not None:
-        raise ValueError(f"{metric}: max_increase is for lower-is-better metrics; a score where higher is better takes max_drop")
-    out: dict[str, tuple[betting.Spec, float]] = {}
-    if gate.max_drop is not None:
-        out["max_drop"] = betting.Spec("mean", gate.max_drop, bounds=(-1.0, 1.0)), 1.0
-    if gate.min_recovery is not None:
-        out["min_recovery"] = betting.Spec("mean", 0.0, bounds=(-1.0, gate.min_recovery)), gate.min_recovery
+        spec = betting.Spec("mean", gate.max_drop, higher_is_better, bounds=(lo - hi, hi - lo), scores=gate.score_range)
+        out["max_drop"] = spec, 1.0
+    for criterion, s in scaled.items():
+        if s is not None:
+            bounds = (s * lo - hi, s * hi - lo) if higher_is_better else (lo - s * hi, hi - s * lo)
+            out[criterion] = betting.Spec("mean", 0.0, higher_is_better, bounds=bounds, scores=gate.score_range), s
     return out
 
 
@@ -117,8 +118,10 @@ def decide_gate(
     `in_order` (the seeded order --limit takes); for perplexities, size-biased by words (or bytes). `evidence`:
     an earlier GateDecision.evidence() of the same gate, metric and population."""
     tests = hypotheses(gate, metric, higher_is_better)
-    if metric.partition(",")[0] not in PERPLEXITY_UNITS:
+    if metric.partition(",")[0] not in PERPLEXITY_UNITS and gate.score_range is None:
         _check_scores(metric, base, quant)
+    if gate.score_range is not None:  # an item scored outside it is no bet: not finite, so it fails the gate, named
+        base, quant = (_outside_as_nan(side, *gate.score_range) for side in (base, quant))
     if evidence is not None and set(evidence) != set(tests):
         raise ValueError(f"the evidence is of criteria {sorted(evidence)}, this gate's are {sorted(tests)}")
     decisions, terms = {}, {}
@@ -138,6 +141,12 @@ def decide_gate(
 def _status(decisions: dict[str, betting.Decision]) -> str:
     found = {d.decision for d in decisions.values()}
     return "fail" if "fail" in found else "pass" if found == {"pass"} else "inconclusive"
+
+
+def _outside_as_nan(values: dict[Any, Any], lo: float, hi: float) -> dict[Any, float]:
+    """Scores outside [lo, hi] as NaN; within rounding of an end (sacrebleu's exact match is 100.00000000000004), that end."""
+    slack = ROUNDING * (hi - lo)
+    return {k: min(max(float(v), lo), hi) if lo - slack <= float(v) <= hi + slack else math.nan for k, v in values.items()}
 
 
 def _check_scores(metric: str, base: dict[Any, Any], quant: dict[Any, Any]) -> None:
@@ -165,8 +174,8 @@ def bettable(
     counts: dict[int, float] | None = None,
     targets: bool = False,
 ) -> bool:
-    """Whether `decide_gate` decides this gate today: per-item scores in [0, 1] (max_increase only where
-    lower is better); or a corpus perplexity ([loglikelihood, count] per document) with every document's
+    """Whether `decide_gate` decides this gate today: per-item scores in [0, 1], or any numbers where the
+    gate declares their score_range (max_increase only where lower is better); or a corpus perplexity ([loglikelihood, count] per document) with every document's
     `counts` (words or bytes), by which its order is size-biased, or lm-eval's `perplexity` on a task
     whose items are one target each (`targets`: its output_type is loglikelihood, not rolling), with
     criteria that do not rest on the measured baseline and an allowance inside the cap."""
@@ -181,6 +190,8 @@ def bettable(
         known = counts is not None if counted(metric) else targets
         return known and all(isinstance(v, list) and len(v) == 2 for v in pairs)
     values = list(base.values()) + list(quant.values())
+    if gate.score_range is not None:  # declared: a score outside it fails the gate, named (betting.py)
+        return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
     return all(isinstance(v, float) and 0.0 <= v <= 1.0 for v in values)
 
 

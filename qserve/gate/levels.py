@@ -340,8 +340,9 @@ def _intro(draws: int, level: float, provenance: str) -> list[str]:
         f"0/1 items, and corpus perplexities as `qserve eval` scores them, are decided by betting, at 5 % over every "
         f"look (at most {limit(draws, ALPHA):.2%} allowed: 5 % + 3 Monte-Carlo SE), and so is lambada's perplexity, "
         f"per item, and so are scores where lower is better and corpus perplexities of lm-eval runs made "
-        f"elsewhere on part of a task (a claim about the scored documents); the other tables (per-item means "
-        f"that are not in [0, 1], lm-eval's `perplexity` on a rolling task) use the "
+        f"elsewhere on part of a task (a claim about the scored documents), and scores in a range the gate declares "
+        f"(score_range: the [0, 1] bet scaled); the other tables (per-item means "
+        f"outside [0, 1] with no declared range, lm-eval's `perplexity` on a rolling task) use the "
         f"bounds of a first look at a checkpoint's weights (one-sided {1 - level:.2%}, at most {level:.2%} + 3 SE = "
         f"{limit(draws, level):.2%} allowed; later looks spend less, so that all of them together stay within 5 %).",
         "",
@@ -414,8 +415,8 @@ def _means_section(rows: list[dict[str, Any]], later: list[dict[str, Any]]) -> l
     out = [
         "## Perplexity, bits per byte and other per-item means (stats.py's bounds)",
         "",
-        "lm-eval's `perplexity` on a rolling task (per document) and per-item means outside [0, 1] (the perplexity "
-        "shapes below stand for them).",
+        "lm-eval's `perplexity` on a rolling task (per document) and per-item means outside [0, 1] with no declared "
+        "score_range (the perplexity shapes below stand for them).",
         "",
         "Power here: a model at half the allowance. Perplexity allowance +5 %. A pass needs the upper bound "
         f"(Student t's critical value t plus {stats.TAIL:g} t^2) under the allowance, n >= {min_items(level)} and "

@@ -218,7 +218,8 @@ def _look_line(record: EvalRecord) -> str | None:
 
 # The class of loss shapes a pass's level holds for, as README and docs/gates.md state it.
 GUARANTEE = (
-    "for scores in [0, 1], 0/1 included, by betting and Ville's inequality, for every pattern of item scores; "
+    "for scores in [0, 1], 0/1 included, by betting and Ville's inequality, for every pattern of item scores "
+    "(in a gate's declared score_range the same, for every item within it); "
     "for word and byte perplexity and bits per byte the same, for every loss within the cap of log 2 nats per word "
     "(per byte) on a document, and for lambada's perplexity within log 100 nats on an item; for other means, for the class "
     "of loss shapes docs/gate-levels.md covers (tails up to Pareto index 2.5, a loss in at least 5 % of documents)"

@@ -13,6 +13,7 @@ from qserve.errors import InvalidSpec, QserveError
 
 DEFAULT_MIN_RECOVERY = 0.95
 CRITERIA = ("min_recovery", "max_drop", "max_increase")
+SETTINGS = ("cap", "score_range")  # not criteria: the range a bet is declared in
 
 
 class GateSpec(BaseModel):
@@ -30,6 +31,12 @@ class GateSpec(BaseModel):
         description="word_perplexity (byte_perplexity, bits_per_byte): the largest loss change per word (byte), in nats, "
         "any one document may show; perplexity (lambada's): per item",
     )
+    # Not a criterion: the range a per-item score outside [0, 1] is bet in (gate/evidence.py).
+    score_range: tuple[float, float] | None = Field(
+        None,
+        description="a per-item score outside [0, 1] (truthfulqa_gen's bleu_max in [0, 100]): the range every item's "
+        "score lies in, declared before scoring; an item outside it fails the gate, named",
+    )
 
     @model_validator(mode="after")
     def _has_criterion(self) -> GateSpec:
@@ -40,6 +47,10 @@ class GateSpec(BaseModel):
             raise InvalidSpec(
                 f"min_recovery {self.min_recovery:g} is above 1, which asks the quantized model to beat the baseline; give at most 1"
             )
+        if self.score_range is not None and not (math.isfinite(self.score_range[0]) and math.isfinite(self.score_range[1])):
+            raise InvalidSpec(f"score_range {list(self.score_range)} must be two finite numbers, the lowest first")
+        if self.score_range is not None and not self.score_range[0] < self.score_range[1]:
+            raise InvalidSpec(f"score_range {list(self.score_range)} must name the lowest score first, then a higher one")
         return self
 
     def criteria(self) -> dict[str, float]:
@@ -76,14 +87,17 @@ def parse_cli_gates(values: list[str]) -> dict[str, list[GateSpec]]:
         task, _, criterion = head.partition(":")
         task, _, metric = task.partition("@")
         criterion = criterion.strip() or "min_recovery"
-        try:
-            value = float(number)
+        try:  # a score_range is LO,HI; everything else one number
+            value = tuple(float(x) for x in number.split(",")) if criterion == "score_range" else float(number)
         except ValueError:
             sep = ""
-        if not sep or not task.strip() or criterion not in CRITERIA:
+        if sep and criterion == "score_range" and len(value) != 2:
+            raise QserveError(f"--gate {item!r}: score_range is two numbers, the lowest score and the highest, e.g. 0,100")
+        if not sep or not task.strip() or criterion not in (*CRITERIA, *SETTINGS):
             raise QserveError(
-                f"--gate {item!r}: expected TASK[@METRIC][:CRITERION]=VALUE with CRITERION one of {', '.join(CRITERIA)}, "
-                "e.g. gsm8k=0.9 or gsm8k_ppl:max_increase=0.05"
+                f"--gate {item!r}: expected TASK[@METRIC][:CRITERION]=VALUE with CRITERION one of {', '.join(CRITERIA)} "
+                f"(or the setting {' or '.join(SETTINGS)}), e.g. gsm8k=0.9, gsm8k_ppl:max_increase=0.05 or "
+                "truthfulqa_gen@bleu_max:score_range=0,100"
             )
         key = (task.strip(), _metric_key(metric.strip()) if metric.strip() else None)
         merged.setdefault(key, {})[criterion] = value
@@ -118,6 +132,8 @@ def check_allowance(task: str, spec: GateSpec, metric: str) -> None:
         )
     if spec.cap is not None:
         _check_cap(task, spec, name)
+    if spec.score_range is not None:
+        _check_score_range(task, spec, name)
 
 
 # Perplexities, by what lm-eval divides their log-likelihoods by: a gate bets per that unit, within a
@@ -147,6 +163,23 @@ def _check_cap(task: str, spec: GateSpec, name: str) -> None:
         raise InvalidSpec(
             f"gate on {task}: cap {spec.cap:g} nats per {PERPLEXITY_UNITS[name]} is at or below the allowed rise's "
             f"log(1 + {top:.4g}) = {math.log1p(top):.4g}; give a cap above it"
+        )
+
+
+def _check_score_range(task: str, spec: GateSpec, name: str) -> None:
+    """A score range is a per-item score's, and must leave a drop the scores can exceed, or no bet could ever fail."""
+    if name in PERPLEXITY_UNITS:
+        raise InvalidSpec(f"gate on {task}: score_range is for per-item scores; {name} is bet on within its cap")
+    lo, hi = spec.score_range or (0.0, 1.0)
+    if spec.max_drop is not None and spec.max_drop >= hi - lo:
+        raise InvalidSpec(
+            f"gate on {task}: max_drop={spec.max_drop:g} on {name}, whose items score in [{lo:g}, {hi:g}], can never fail; "
+            f"give a drop below {hi - lo:g}"
+        )
+    if (spec.min_recovery is not None or spec.max_increase is not None) and lo < 0:
+        raise InvalidSpec(
+            f"gate on {task}: a recovery or a relative increase of {name} needs scores of one sign; "
+            f"its score_range [{lo:g}, {hi:g}] takes max_drop"
         )
 
 
