@@ -118,10 +118,10 @@ def decide_gate(
     `in_order` (the seeded order --limit takes); for perplexities, size-biased by words (or bytes). `evidence`:
     an earlier GateDecision.evidence() of the same gate, metric and population."""
     tests = hypotheses(gate, metric, higher_is_better)
-    if metric.partition(",")[0] not in PERPLEXITY_UNITS and gate.score_range is None:
-        _check_scores(metric, base, quant)
     if gate.score_range is not None:  # an item scored outside it is no bet: not finite, so it fails the gate, named
         base, quant = (_outside_as_nan(side, *gate.score_range) for side in (base, quant))
+    elif metric.partition(",")[0] not in PERPLEXITY_UNITS:
+        _check_scores(metric, base, quant)
     if evidence is not None and set(evidence) != set(tests):
         raise ValueError(f"the evidence is of criteria {sorted(evidence)}, this gate's are {sorted(tests)}")
     decisions, terms = {}, {}

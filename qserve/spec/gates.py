@@ -170,7 +170,7 @@ def _check_score_range(task: str, spec: GateSpec, name: str) -> None:
     """A score range is a per-item score's, and must leave a drop the scores can exceed, or no bet could ever fail."""
     if name in PERPLEXITY_UNITS:
         raise InvalidSpec(f"gate on {task}: score_range is for per-item scores; {name} is bet on within its cap")
-    lo, hi = spec.score_range or (0.0, 1.0)
+    lo, hi = spec.score_range  # check_allowance calls this only with one declared
     if spec.max_drop is not None and spec.max_drop >= hi - lo:
         raise InvalidSpec(
             f"gate on {task}: max_drop={spec.max_drop:g} on {name}, whose items score in [{lo:g}, {hi:g}], can never fail; "
